@@ -1,0 +1,1 @@
+"""Triton kernels and their torch references, one fused op per module (installed as ``specdec.kernels``)."""

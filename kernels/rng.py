@@ -1,0 +1,99 @@
+"""Counter-based random numbers shared by the Triton kernels and their torch references.
+
+Every uniform is a pure function of ``(seed, position, index)``: ``seed`` is a per-row int64, ``position`` the
+draft position of that row (an int64 offset plus the position inside the call) and ``index`` a vocabulary id in
+``[0, V)`` or the reserved index :data:`ACCEPT_INDEX` for the accept test. Nothing depends on the batch a row sits
+in or on the launch shape, so a kernel reproduces the reference bit for bit.
+
+The mixing function is a 32-bit integer hash (a "lowbias32"-style xor-shift-multiply finaliser) applied in
+rounds with keys derived from the seed and the position. In torch the unsigned 32-bit arithmetic is emulated in
+int64; in Triton it is native ``uint32`` arithmetic. Uniforms are ``((bits >> 8) + 0.5) * 2**-24``: 2**24
+equally spaced float32 values strictly inside (0, 1), exactly representable, so never 0 and never 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MASK32 = 0xFFFFFFFF
+ACCEPT_INDEX = 0xFFFFFFFF  # reserved stream index of the accept-test uniform (vocabulary ids stay below it)
+_MUL_A = 0x7FEB352D
+_MUL_B = 0x846CA68B
+_GOLDEN = 0x9E3779B9
+_SALT_B = 0x85EBCA6B
+_INV_2_24 = 1.0 / 16777216.0
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """(x * constant) mod 2**32 for int64 tensors holding values in [0, 2**32), without int64 overflow."""
+    low = x * (constant & 0xFFFF)
+    high = ((x * (constant >> 16)) & 0xFFFF) << 16
+    return (low + high) & MASK32
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """Bijective 32-bit mixer on int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, _MUL_A)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _MUL_B)
+    return x ^ (x >> 16)
+
+
+def stream_keys(seeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two 32-bit keys per (seed, position); int64 tensors broadcast against each other."""
+    seeds = seeds.to(torch.int64)
+    positions = positions.to(torch.int64)
+    seed_lo = seeds & MASK32
+    seed_hi = (seeds >> 32) & MASK32
+    base = hash32(hash32(seed_lo ^ _GOLDEN) ^ seed_hi)
+    pos_lo = positions & MASK32
+    key_a = hash32((base + _mul32(pos_lo + 1, _GOLDEN)) & MASK32)
+    key_b = hash32(key_a ^ _SALT_B)
+    return key_a, key_b
+
+
+def uniform_from_keys(key_a: torch.Tensor, key_b: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """float32 uniforms in (0, 1) for int64 ``index`` values in [0, 2**32); keys broadcast against ``index``."""
+    bits = hash32(hash32((index & MASK32) ^ key_a) ^ key_b)
+    return ((bits >> 8).to(torch.float32) + 0.5) * _INV_2_24
+
+
+def uniform(seeds: torch.Tensor, positions: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1) for the counter (seed, position, index); int64 inputs broadcast together."""
+    key_a, key_b = stream_keys(seeds, positions)
+    return uniform_from_keys(key_a, key_b, index.to(torch.int64))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The same functions in Triton. Inputs are uint32 tensors or scalars; results match the torch versions bit for bit.
+
+
+@triton.jit
+def hash32_tl(x):
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def stream_keys_tl(seed, position):
+    """seed, position: int64 scalars or tensors. Returns (key_a, key_b) as uint32."""
+    seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    base = hash32_tl(hash32_tl(seed_lo ^ 0x9E3779B9) ^ seed_hi)
+    pos_lo = (position & 0xFFFFFFFF).to(tl.uint32)
+    key_a = hash32_tl(base + (pos_lo + 1) * 0x9E3779B9)
+    key_b = hash32_tl(key_a ^ 0x85EBCA6B)
+    return key_a, key_b
+
+
+@triton.jit
+def uniform_from_keys_tl(key_a, key_b, index):
+    """index: int32/int64/uint32 tensor of non-negative values below 2**32. Returns float32 in (0, 1)."""
+    bits = hash32_tl(hash32_tl(index.to(tl.uint32) ^ key_a) ^ key_b)
+    return ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)

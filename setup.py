@@ -1,0 +1,30 @@
+"""Installs ``specdec``; the Triton kernels in ``kernels/`` are installed as ``specdec.kernels``."""
+
+from setuptools import setup
+
+setup(
+    name="specdec",
+    version="0.1.0",
+    description="Triton kernels for lossless speculative decoding, and tools to measure and repair its disparate "
+    "speed-ups across tasks and languages.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=["specdec", "specdec.kernels"],
+    package_dir={"specdec": "specdec", "specdec.kernels": "kernels"},
+    install_requires=[
+        "torch>=2.4,<2.15",
+        "triton>=3.0",
+        "transformers>=4.56,<6",
+        "numpy>=1.24",
+        "tqdm>=4.60",
+        "safetensors>=0.4",
+        "matplotlib>=3.7",
+        "scipy>=1.10",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "hypothesis>=6", "ruff>=0.5"],
+        "bench": ["pytest-benchmark>=4", "pandas>=2"],
+    },
+    entry_points={"console_scripts": ["specdec=specdec.cli:main"]},
+)

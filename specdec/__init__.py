@@ -1,0 +1,1 @@
+"""specdec: fast, lossless and fair speculative decoding."""

@@ -1,0 +1,160 @@
+"""Public rejection sampler and the logit filters shared by the drafter and the verifier."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec._validation import (
+    check_no_nan,
+    check_same_device,
+    check_temperature,
+    check_tensor,
+    use_triton,
+)
+from specdec.kernels.rejection_sampling_reference import rejection_sample_reference
+
+
+@dataclass
+class RejectionSampleOutput:
+    """Result of :func:`rejection_sample`.
+
+    Attributes:
+        tokens: [B, K+1] int64. Accepted drafts, then the recovered (after a rejection) or bonus (after K acceptances)
+            token, then ``-1`` padding.
+        num_accepted: [B] int64, drafts accepted before the first rejection (0..K).
+        draft_logprob: [B, K] float32 ``log p(draft)`` when ``compute_scores``, else None.
+        alpha: [B, K] float32 acceptance probability ``sum_x min(p, q)`` per position when ``compute_scores``.
+    """
+
+    tokens: torch.Tensor
+    num_accepted: torch.Tensor
+    draft_logprob: torch.Tensor | None = None
+    alpha: torch.Tensor | None = None
+
+
+def _random_seeds(batch: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    gen_device = generator.device if generator is not None else torch.device("cpu")
+    seeds = torch.randint(0, 2**62, (batch,), generator=generator, device=gen_device, dtype=torch.int64)
+    return seeds.to(device)
+
+
+def rejection_sample(
+    target_logits: torch.Tensor,
+    draft_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+    backend: str = "auto",
+    *,
+    seeds: torch.Tensor | None = None,
+    offsets: torch.Tensor | None = None,
+    num_draft_tokens: torch.Tensor | None = None,
+    greedy_mask: torch.Tensor | None = None,
+    compute_scores: bool = False,
+    check_nan: bool = True,
+) -> RejectionSampleOutput:
+    """Speculative rejection sampling: the emitted tokens follow the verifier exactly.
+
+    With ``p = softmax(target_logits / T)`` and ``q = softmax(draft_logits / T)``, draft ``x_j`` is accepted with
+    probability ``min(1, p_j(x_j) / q_j(x_j))``; at the first rejection a token is drawn from ``max(0, p_j - q_j)``
+    (normalised), and if all drafts are accepted a bonus token is drawn from ``p_K``. ``temperature == 0`` is greedy:
+    a draft is accepted iff it equals ``argmax p_j`` (ties to the lowest id).
+
+    Args:
+        target_logits: [B, K+1, V] fp32/bf16/fp16 verifier logits at the K draft positions and the bonus position.
+        draft_logits: [B, K, V] logits the drafts were sampled from (after any top-k/top-p filtering, before T).
+        draft_tokens: [B, K] int64 draft ids in [0, V); ``-1`` ends a row's drafts early.
+        temperature: T >= 0 applied to both logits; 0 means greedy.
+        generator: torch.Generator for the per-row seeds when ``seeds`` is not given.
+        backend: "auto" (Triton on CUDA, torch otherwise), "triton" or "torch".
+        seeds: optional [B] int64 per-row seeds of the counter-based random stream (results do not depend on the
+            batch a row sits in). offsets: optional [B] int64 position offsets of that stream (default 0).
+        num_draft_tokens: optional [B] int64 per-row number of drafts (<= K).
+        greedy_mask: optional [B] bool, rows decoded greedily although T > 0.
+        compute_scores: also return ``log p(draft)`` and ``alpha`` per position.
+        check_nan: raise ValueError on NaN logits (costs a device sync).
+
+    Returns:
+        :class:`RejectionSampleOutput` with ``tokens`` [B, K+1] and ``num_accepted`` [B].
+    """
+    check_tensor(target_logits, "target_logits", 3, float_dtype=True, shape_doc="[B, K+1, V]")
+    check_tensor(draft_logits, "draft_logits", 3, float_dtype=True, shape_doc="[B, K, V]")
+    check_tensor(draft_tokens, "draft_tokens", 2, integer_dtype=True, shape_doc="[B, K]")
+    temperature = check_temperature(temperature)
+    batch, num_positions, vocab = target_logits.shape
+    num_drafts = num_positions - 1
+    if num_drafts < 1:
+        raise ValueError(f"target_logits must have K+1 >= 2 positions ([B, K+1, V]), got shape {tuple(target_logits.shape)}")
+    if vocab < 1:
+        raise ValueError("target_logits must have a vocabulary dimension V >= 1")
+    if tuple(draft_logits.shape) != (batch, num_drafts, vocab):
+        raise ValueError(
+            f"draft_logits must have shape [B, K, V] = {(batch, num_drafts, vocab)} to match target_logits "
+            f"{tuple(target_logits.shape)}, got {tuple(draft_logits.shape)}"
+        )
+    if tuple(draft_tokens.shape) != (batch, num_drafts):
+        raise ValueError(f"draft_tokens must have shape [B, K] = {(batch, num_drafts)}, got {tuple(draft_tokens.shape)}")
+    device = check_same_device(target_logits=target_logits, draft_logits=draft_logits, draft_tokens=draft_tokens,
+                               seeds=seeds, offsets=offsets, num_draft_tokens=num_draft_tokens,
+                               greedy_mask=greedy_mask)
+    draft_tokens = draft_tokens.to(torch.int64)
+    if draft_tokens.numel() and (int(draft_tokens.min()) < -1 or int(draft_tokens.max()) >= vocab):
+        raise ValueError(f"draft_tokens must lie in [0, V={vocab}) (or -1 for no draft)")
+    for name, tensor in (("seeds", seeds), ("offsets", offsets), ("num_draft_tokens", num_draft_tokens)):
+        if tensor is not None:
+            check_tensor(tensor, name, 1, integer_dtype=True, shape_doc="[B]")
+            if tensor.shape[0] != batch:
+                raise ValueError(f"{name} must have shape [B] = [{batch}], got {tuple(tensor.shape)}")
+    if num_draft_tokens is not None and num_draft_tokens.numel() and (
+            int(num_draft_tokens.min()) < 0 or int(num_draft_tokens.max()) > num_drafts):
+        raise ValueError(f"num_draft_tokens must lie in [0, K={num_drafts}]")
+    if greedy_mask is not None:
+        check_tensor(greedy_mask, "greedy_mask", 1, shape_doc="[B]")
+        if greedy_mask.dtype != torch.bool or greedy_mask.shape[0] != batch:
+            raise ValueError(f"greedy_mask must be a bool tensor of shape [B] = [{batch}]")
+    if check_nan:
+        check_no_nan(target_logits, "target_logits")
+        check_no_nan(draft_logits, "draft_logits")
+    if seeds is None:
+        seeds = _random_seeds(batch, generator, device)
+    if offsets is None:
+        offsets = torch.zeros(batch, dtype=torch.int64, device=device)
+    seeds, offsets = seeds.to(torch.int64), offsets.to(torch.int64)
+
+    if use_triton(backend, device):
+        from specdec.kernels.rejection_sampling import rejection_sample_triton
+
+        impl = rejection_sample_triton
+    else:
+        impl = rejection_sample_reference
+    tokens, num_accepted, draft_logprob, alpha = impl(
+        target_logits, draft_logits, draft_tokens, seeds, offsets, temperature,
+        greedy_mask=greedy_mask, num_draft_tokens=num_draft_tokens, compute_scores=compute_scores,
+    )
+    return RejectionSampleOutput(tokens, num_accepted, draft_logprob, alpha)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Top-k then top-p (nucleus) filtering: removed entries become ``-inf``.
+
+    Args:
+        logits: [..., V] float logits, already divided by the temperature.
+        top_k: keep the k largest logits (0 = no limit). Ties at the k-th value are all kept.
+        top_p: keep the smallest set of largest-probability tokens whose mass reaches ``top_p`` (1.0 = no limit).
+    Returns a new float32 tensor of the same shape. The same function is applied to the verifier and the drafter.
+    """
+    out = logits.float()
+    vocab = out.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(out, top_k, dim=-1).values[..., -1:]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(out, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        remove_sorted = mass_before >= top_p  # the top-1 token is always kept (mass_before = 0 < top_p)
+        remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+        out = out.masked_fill(remove, float("-inf"))
+    return out
