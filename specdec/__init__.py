@@ -1,1 +1,24 @@
-"""specdec: fast, lossless and fair speculative decoding."""
+"""specdec: fast, lossless and fair speculative decoding.
+
+``specdec.generate`` runs speculative decoding on any pair of Hugging Face causal LMs; ``specdec.rejection_sample``
+and ``specdec.divergence`` are the fused kernels behind it and behind the fairness metrics.
+"""
+
+from specdec.generate import GenerateOutput, SpecDecodeStats, generate
+from specdec.metrics import accepted_count_distribution, expected_tokens_per_call, speedup
+from specdec.sampling import RejectionSampleOutput, filter_logits, rejection_sample
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GenerateOutput",
+    "RejectionSampleOutput",
+    "SpecDecodeStats",
+    "__version__",
+    "accepted_count_distribution",
+    "expected_tokens_per_call",
+    "filter_logits",
+    "generate",
+    "rejection_sample",
+    "speedup",
+]

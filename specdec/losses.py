@@ -1,0 +1,152 @@
+"""s-CDF objective: per-task weights and the weighted distillation loss (DESIGN.md, "The mathematics").
+
+Notation. ``m`` tasks; ``K_i`` is task ``i``'s mean drafter cross-entropy against the verifier,
+``K_i = E_{s~T_i} H(p(.|s), q(.|s))``, estimated on a minibatch of prefixes drawn from task ``i``. The unfairness is the
+population variance ``U = (1/m) sum_i (K_i - Kbar)^2`` with ``Kbar = (1/m) sum_i K_i``, and
+
+    grad U = (2/m) sum_i (K_i - Kbar) grad K_i.
+
+s-CDF minimises ``sum_i w_i K_i`` with weights ``w_i`` computed from the (detached) per-task values:
+
+* ``"scdf"`` (corrective, the default): ``w_i = K_i - min_j K_j + floor``. Non-negative; only tasks behind the best one
+  are pulled toward the verifier, so U falls without pushing any task away from the verifier.
+* ``"exact_variance"``: ``w_i = K_i - Kbar``, so ``grad sum_i w_i K_i = (m/2) grad U`` exactly. Weights of tasks ahead
+  of the mean are negative: gradient descent moves those tasks *away* from the verifier (U falls by levelling down).
+* ``"uniform"``: ``w_i = 1`` (equal-task distillation; the "balanced" baseline).
+
+The weights may be computed on a different basis than the loss (``weight_basis`` in :mod:`specdec.finetune`): on
+KL or TV instead of CE. Since ``H(p)`` does not depend on the drafter, ``grad K_i = grad D_i``, so the loss is always
+the cross-entropy ``K_i`` and only the weights change with the basis.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+WEIGHT_METHODS = ("scdf", "exact_variance", "uniform")
+
+
+def _as_task_vector(values: torch.Tensor | Sequence[float], name: str) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        tensor = values
+    elif isinstance(values, Sequence) and not isinstance(values, (str, bytes)):
+        try:
+            tensor = torch.tensor([float(v) for v in values], dtype=torch.float32)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"{name} must be a 1-D tensor or a sequence of numbers, got {values!r}") from exc
+    else:
+        raise TypeError(f"{name} must be a 1-D tensor [m] or a sequence of floats, got {type(values).__name__}")
+    if tensor.dim() != 1 or tensor.numel() == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D tensor [m] (one value per task), "
+                         f"got shape {tuple(tensor.shape)}")
+    if not tensor.dtype.is_floating_point:
+        tensor = tensor.float()
+    if not bool(torch.isfinite(tensor.detach()).all()):
+        raise ValueError(f"{name} must be finite, got {tensor.detach().tolist()}")
+    return tensor
+
+
+def _check_floor(floor: float) -> float:
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)):
+        raise TypeError(f"floor must be a float, got {type(floor).__name__}")
+    if not math.isfinite(floor) or floor < 0:
+        raise ValueError(f"floor must be a finite number >= 0, got {floor}")
+    return float(floor)
+
+
+def scdf_weights(per_task_values: torch.Tensor | Sequence[float], method: str = "scdf", floor: float = 0.0,
+                 normalize: bool = False) -> torch.Tensor:
+    """Per-task weights of the s-CDF objective, detached from the graph.
+
+    Args:
+        per_task_values: [m] per-task values of the weight basis (CE ``K_i``, KL ``D_i`` or TV), any float dtype.
+        method: ``"scdf"`` -> ``w_i = v_i - min_j v_j + floor``; ``"exact_variance"`` -> ``w_i = v_i - mean_j v_j``
+            (so that ``sum_i w_i grad v_i = (m/2) grad U``); ``"uniform"`` -> ``w_i = 1``.
+        floor: >= 0, added to the corrective weights so the best task keeps a small pull toward the verifier (used by
+            ``"scdf"`` only).
+        normalize: divide by ``sum_i |w_i|`` (when positive) so the loss scale does not shrink as the gaps close.
+
+    Returns:
+        [m] float32 tensor on the device of ``per_task_values``, ``requires_grad=False``.
+    """
+    if method not in WEIGHT_METHODS:
+        raise ValueError(f"method must be one of {WEIGHT_METHODS}, got {method!r}")
+    floor = _check_floor(floor)
+    values = _as_task_vector(per_task_values, "per_task_values").detach().float()
+    if method == "scdf":
+        weights = values - values.min() + floor
+    elif method == "exact_variance":
+        weights = values - values.mean()
+    else:
+        weights = torch.ones_like(values)
+    if normalize:
+        total = weights.abs().sum()
+        if float(total) > 0:
+            weights = weights / total
+    return weights
+
+
+class ScdfLoss(NamedTuple):
+    """Result of :func:`scdf_loss`: ``loss`` (0-dim, differentiable) and the detached ``weights`` [m] float32."""
+
+    loss: torch.Tensor
+    weights: torch.Tensor
+
+
+def scdf_loss(task_losses: torch.Tensor, weight_values: torch.Tensor | Sequence[float] | None = None, *,
+              method: str = "scdf", floor: float = 0.0, normalize: bool = False) -> ScdfLoss:
+    """The s-CDF objective ``L = sum_i w_i K_i`` on per-task minibatch estimates.
+
+    Args:
+        task_losses: [m] float tensor of per-task mean cross-entropies ``K_i`` carrying gradients w.r.t. the drafter
+            (e.g. from :func:`per_task_mean`).
+        weight_values: [m] values the weights are computed from (default: ``task_losses`` itself, i.e. the CE basis);
+            pass per-task KL or TV for the other bases. Always detached.
+        method, floor, normalize: see :func:`scdf_weights`.
+
+    Returns:
+        :class:`ScdfLoss` with ``loss`` = ``sum_i w_i K_i`` (0-dim) and ``weights`` [m]. With
+        ``method="exact_variance"`` and the CE basis, ``grad loss = (m/2) grad U``.
+    """
+    task_losses = _as_task_vector(task_losses, "task_losses")
+    basis = task_losses if weight_values is None else _as_task_vector(weight_values, "weight_values")
+    if basis.shape != task_losses.shape:
+        raise ValueError(f"weight_values must have shape {tuple(task_losses.shape)} like task_losses, "
+                         f"got {tuple(basis.shape)}")
+    weights = scdf_weights(basis, method=method, floor=floor, normalize=normalize).to(task_losses.device)
+    return ScdfLoss((weights.to(task_losses.dtype) * task_losses).sum(), weights)
+
+
+def per_task_mean(values: torch.Tensor, task_ids: torch.Tensor, num_tasks: int) -> torch.Tensor:
+    """Differentiable per-task means of per-token values.
+
+    Args:
+        values: [N] float per-token values (e.g. cross-entropies ``H(p_n, q_n)``).
+        task_ids: [N] int64 task index of each token, in ``[0, num_tasks)``.
+        num_tasks: m.
+    Returns:
+        [m] float32: ``sum_{n: t_n = i} values_n / #{n: t_n = i}`` (0 for a task with no tokens).
+    """
+    if values.dim() != 1 or task_ids.shape != values.shape:
+        raise ValueError(f"values and task_ids must both have shape [N], got {tuple(values.shape)} and "
+                         f"{tuple(task_ids.shape)}")
+    sums = torch.zeros(num_tasks, dtype=torch.float32, device=values.device).index_add(0, task_ids, values.float())
+    counts = torch.bincount(task_ids, minlength=num_tasks).to(sums.dtype)
+    return sums / counts.clamp_min(1)
+
+
+def token_weights(task_ids: torch.Tensor, task_weights: torch.Tensor, task_counts: torch.Tensor) -> torch.Tensor:
+    """Per-token weights ``w_{t_n} / count_{t_n}`` turning ``sum_n omega_n H_n`` into ``sum_i w_i K_i``.
+
+    Args:
+        task_ids: [N] int64; task_weights: [m] float; task_counts: [m] token counts per task (global over all
+            processes under DDP, so that the per-process sums add up to the global objective).
+    Returns:
+        [N] float32 weights for :func:`specdec.divergences.divergence_loss` with ``reduction="sum"``.
+    """
+    per_task = task_weights.float() / task_counts.float().clamp_min(1)
+    return per_task.to(task_ids.device)[task_ids]

@@ -1,0 +1,88 @@
+"""Closed-form speculative-decoding quantities (DESIGN.md, "The mathematics").
+
+With per-position acceptance probability alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q) and K drafts per round:
+
+* expected tokens per verifier call  E[N] = (1 - alpha^(K+1)) / (1 - alpha)   (K + 1 at alpha = 1)
+* speed-up with cost ratio c = t_drafter / t_verifier   S = E[N] / (K c + 1)
+* P(n accepted drafts) for position-wise acceptance a_1..a_K: (prod_{i<=n} a_i)(1 - a_{n+1}) for n < K, prod a_i for n = K.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+TensorOrFloat = torch.Tensor | float
+
+
+def _check_num_draft_tokens(num_draft_tokens: int) -> int:
+    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be an integer K >= 1, got {num_draft_tokens!r}")
+    return num_draft_tokens
+
+
+def _check_alpha(alpha: TensorOrFloat) -> TensorOrFloat:
+    low, high = (float(alpha.min()), float(alpha.max())) if isinstance(alpha, torch.Tensor) else (alpha, alpha)
+    if not (0.0 <= low <= high <= 1.0):
+        raise ValueError(f"alpha must lie in [0, 1], got values in [{low}, {high}]")
+    return alpha
+
+
+def expected_tokens_per_call(alpha: TensorOrFloat, num_draft_tokens: int) -> TensorOrFloat:
+    """E[N] = (1 - alpha^(K+1)) / (1 - alpha) = sum_{i=0..K} alpha^i, tokens emitted per verifier call.
+
+    alpha: float or tensor in [0, 1] (any shape). Returns the same type/shape. Computed as the finite geometric sum,
+    which is exact at alpha = 1 (K + 1) and free of 0/0.
+    """
+    num_draft_tokens = _check_num_draft_tokens(num_draft_tokens)
+    _check_alpha(alpha)
+    total = alpha * 0 + 1.0
+    power = alpha * 0 + 1.0
+    for _ in range(num_draft_tokens):
+        power = power * alpha
+        total = total + power
+    return total
+
+
+def speedup(alpha: TensorOrFloat, num_draft_tokens: int, cost_ratio: float) -> TensorOrFloat:
+    """S(alpha) = (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)): wall-clock speed-up over plain decoding.
+
+    cost_ratio: c = t_drafter / t_verifier >= 0 (time of one drafter forward over one verifier forward).
+    """
+    if not (isinstance(cost_ratio, (int, float)) and math.isfinite(cost_ratio) and cost_ratio >= 0):
+        raise ValueError(f"cost_ratio must be a finite number >= 0, got {cost_ratio!r}")
+    return expected_tokens_per_call(alpha, num_draft_tokens) / (num_draft_tokens * cost_ratio + 1.0)
+
+
+def accepted_count_distribution(position_alpha: torch.Tensor) -> torch.Tensor:
+    """Law of the number of accepted drafts when draft j is accepted with probability a_j independently.
+
+    position_alpha: [..., K] acceptance probabilities. Returns [..., K+1] probabilities of n = 0..K.
+    """
+    if position_alpha.dim() < 1 or position_alpha.shape[-1] < 1:
+        raise ValueError("position_alpha must have shape [..., K] with K >= 1")
+    ones = torch.ones_like(position_alpha[..., :1])
+    survive = torch.cumprod(torch.cat([ones, position_alpha], dim=-1), dim=-1)  # P(n >= j), j = 0..K
+    reject_next = torch.cat([1 - position_alpha, ones], dim=-1)
+    return survive * reject_next
+
+
+def acceptance_from_logits(target_logits: torch.Tensor, draft_logits: torch.Tensor,
+                           temperature: float = 1.0) -> torch.Tensor:
+    """alpha = sum_x min(p(x), q(x)) per position, from [..., V] logits at the same temperature. Returns [...] fp32."""
+    if target_logits.shape != draft_logits.shape:
+        raise ValueError(f"target_logits {tuple(target_logits.shape)} and draft_logits "
+                         f"{tuple(draft_logits.shape)} must have the same shape [..., V]")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 for acceptance probabilities, got {temperature}")
+    log_p = torch.log_softmax(target_logits.float() / temperature, dim=-1)
+    log_q = torch.log_softmax(draft_logits.float() / temperature, dim=-1)
+    return torch.minimum(log_p, log_q).exp().sum(dim=-1)
+
+
+def speedup_lower_bounds(tv: float, kl: float, num_draft_tokens: int, cost_ratio: float) -> tuple[float, float]:
+    """The DESIGN bounds S_T >= S(1 - TV_T) >= S(max(0, 1 - sqrt(D_T / 2))) (Jensen, then Pinsker)."""
+    from_tv = float(speedup(min(max(1.0 - tv, 0.0), 1.0), num_draft_tokens, cost_ratio))
+    from_kl = float(speedup(min(max(1.0 - math.sqrt(max(kl, 0.0) / 2.0), 0.0), 1.0), num_draft_tokens, cost_ratio))
+    return from_tv, from_kl

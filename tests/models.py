@@ -1,0 +1,42 @@
+"""Tiny random-weight Llama-family models for tests (built from configs: nothing is downloaded)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def tiny_llama(vocab_size: int = 96, hidden_size: int = 32, num_layers: int = 2, seed: int = 0,
+               init_std: float = 0.02, **overrides: object) -> LlamaForCausalLM:
+    """A float32 Llama with random weights, in eval mode."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, initializer_range=init_std, tie_word_embeddings=False,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="eager", **overrides,
+    )
+    model = LlamaForCausalLM(config).eval()
+    return model
+
+
+def perturbed_copy(model: LlamaForCausalLM, noise: float, seed: int = 0) -> LlamaForCausalLM:
+    """A drafter close to ``model``: same architecture, weights plus Gaussian noise of relative scale ``noise``."""
+    generator = torch.Generator().manual_seed(seed)
+    drafter = LlamaForCausalLM(model.config).eval()
+    with torch.no_grad():
+        for (_, source), (_, target) in zip(model.named_parameters(), drafter.named_parameters(), strict=True):
+            target.copy_(source + noise * source.std() * torch.randn(source.shape, generator=generator))
+    return drafter
+
+
+def left_padded_prompts(lengths: list[int], vocab_size: int, seed: int = 0, pad_id: int = 0):
+    """[B, max(lengths)] int64 prompts of the given lengths, left-padded with ``pad_id``, and their attention mask."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    input_ids = torch.full((len(lengths), width), pad_id, dtype=torch.int64)
+    attention_mask = torch.zeros((len(lengths), width), dtype=torch.int64)
+    for row, length in enumerate(lengths):
+        input_ids[row, width - length:] = torch.randint(3, vocab_size, (length,), generator=generator)
+        attention_mask[row, width - length:] = 1
+    return input_ids, attention_mask

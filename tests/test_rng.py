@@ -1,0 +1,55 @@
+"""The counter-based random stream: Triton reproduces torch bit for bit; uniforms are uniform and in (0, 1)."""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from stats import assert_follows
+
+from specdec.kernels.rng import ACCEPT_INDEX, hash32, stream_keys_tl, uniform, uniform_from_keys_tl
+
+
+@triton.jit
+def _uniform_kernel(seeds_ptr, positions_ptr, out_ptr, num_index, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    seed = tl.load(seeds_ptr + row)
+    position = tl.load(positions_ptr + row)
+    key_a, key_b = stream_keys_tl(seed, position)
+    index = tl.arange(0, BLOCK)
+    values = uniform_from_keys_tl(key_a, key_b, index)
+    tl.store(out_ptr + row * (num_index + 1) + index, values, mask=index < num_index)
+    accept = uniform_from_keys_tl(key_a, key_b, tl.full([1], 0xFFFFFFFF, tl.uint32))
+    tl.store(out_ptr + row * (num_index + 1) + num_index + tl.arange(0, 1), accept)
+
+
+def test_triton_stream_matches_torch_bit_for_bit():
+    seeds = torch.tensor([0, 1, -5, 2**62 + 12345, 7, 7], dtype=torch.int64)
+    positions = torch.tensor([0, 3, 2**40 + 1, 9, 0, 1], dtype=torch.int64)
+    num_index = 200
+    out = torch.empty(len(seeds), num_index + 1, dtype=torch.float32)
+    _uniform_kernel[(len(seeds),)](seeds, positions, out, num_index, BLOCK=256)
+    index = torch.cat([torch.arange(num_index), torch.tensor([ACCEPT_INDEX])])
+    expected = uniform(seeds[:, None], positions[:, None], index[None, :])
+    assert torch.equal(out, expected)
+
+
+def test_hash_is_a_bijection_on_a_block():
+    values = hash32(torch.arange(1 << 16, dtype=torch.int64))
+    assert torch.unique(values).numel() == 1 << 16
+    assert int(values.min()) >= 0 and int(values.max()) < 2**32
+
+
+def test_uniforms_are_strictly_inside_unit_interval_and_uniform():
+    seeds = torch.arange(64, dtype=torch.int64)[:, None]
+    values = uniform(seeds, torch.zeros_like(seeds), torch.arange(4096)[None, :]).flatten()
+    assert float(values.min()) > 0.0 and float(values.max()) < 1.0
+    counts = torch.histc(values, bins=64, min=0.0, max=1.0)
+    assert_follows(counts, torch.full((64,), 1 / 64), what="uniform histogram")
+    # Neighbouring positions and seeds are uncorrelated.
+    a = uniform(seeds, torch.zeros_like(seeds), torch.arange(4096)[None, :]).flatten()
+    b = uniform(seeds, torch.ones_like(seeds), torch.arange(4096)[None, :]).flatten()
+    c = uniform(seeds + 1, torch.zeros_like(seeds), torch.arange(4096)[None, :]).flatten()
+    for other in (b, c):
+        corr = float(torch.corrcoef(torch.stack([a, other]))[0, 1])
+        assert abs(corr) < 10 / math.sqrt(a.numel())
