@@ -251,6 +251,11 @@ def _reduce_weighted(ce: torch.Tensor, weights: torch.Tensor | None, mask: torch
     return total
 
 
+def _loss_dtype(logits: torch.Tensor) -> torch.dtype:
+    """The torch path computes in float32, or float64 for float64 inputs (so it can serve as ground truth)."""
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
 def divergence_loss(
     drafter_logits: torch.Tensor,
     verifier_logits: torch.Tensor,
@@ -290,7 +295,7 @@ def divergence_loss(
         from specdec.kernels.divergence import divergence_loss_triton
 
         return divergence_loss_triton(drafter_logits, verifier_logits, weights, mask, temperature, reduction)
-    ce = cross_entropy_rows(verifier_logits, drafter_logits, temperature)
+    ce = cross_entropy_rows(verifier_logits, drafter_logits, temperature, _loss_dtype(drafter_logits))
     return _reduce_weighted(ce, weights, mask, reduction)
 
 
@@ -350,5 +355,5 @@ def fused_linear_divergence_loss(
         return fused_linear_divergence_loss_triton(drafter_hidden, lm_head_weight, verifier_logits, weights, mask,
                                                    temperature, reduction, chunk_size)
     logits = drafter_hidden @ lm_head_weight.t()
-    ce = cross_entropy_rows(verifier_logits, logits, temperature)
+    ce = cross_entropy_rows(verifier_logits, logits, temperature, _loss_dtype(logits))
     return _reduce_weighted(ce, weights, mask, reduction)

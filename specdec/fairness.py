@@ -358,7 +358,7 @@ def _generation_figures(verifier: torch.nn.Module, drafter: torch.nn.Module, pro
     from specdec.generate import generate
 
     device = model_device(verifier)
-    drafted = accepted = generated = calls = 0
+    drafted = accepted = generated = calls = tested = accepted_tested = 0
     chars = 0
     for batch_index, start in enumerate(range(0, len(prompts), batch_size)):
         chunk = prompts[start:start + batch_size]
@@ -371,6 +371,8 @@ def _generation_figures(verifier: torch.nn.Module, drafter: torch.nn.Module, pro
         accepted += int(stats.accepted.sum())
         generated += int(stats.generated.sum())
         calls += int(stats.verifier_calls.sum())
+        tested += int(stats.attempted_per_position.sum())
+        accepted_tested += int(stats.accepted_per_position.sum())
         if tokenizer is not None:
             width = ids.shape[1]
             for row in range(len(chunk)):
@@ -379,7 +381,8 @@ def _generation_figures(verifier: torch.nn.Module, drafter: torch.nn.Module, pro
     tokens_per_call = generated / calls if calls else float("nan")
     return {
         "num_prompts": len(prompts), "generated_tokens": generated,
-        "alpha_measured": accepted / drafted if drafted else None,
+        "alpha_measured": accepted_tested / tested if tested else None,
+        "acceptance_rate": accepted / drafted if drafted else None,
         "tokens_per_call": tokens_per_call,
         "chars_per_call": chars / calls if (tokenizer is not None and calls) else None,
         "gen_chars_per_token": chars / generated if (tokenizer is not None and generated) else None,
@@ -394,7 +397,8 @@ class TaskFairness:
     Teacher-forced (texts): alpha (alpha_T), speedup (S(alpha_T)), speedup_prefix_mean (E_s S(alpha(s))),
     cross_entropy (K_T), kl (D_T), tv (TV_T), entropy (H_T(p)), r_q, r_p, fitness (1 - r_q), bound_tv
     (S(1 - TV_T)), bound_pinsker (S(max(0, 1 - sqrt(D_T/2)))), chars_per_token, char_speedup.
-    Generation (prompts): alpha_measured (accepted / drafted), tokens_per_call (measured), tokens_per_call_predicted
+    Generation (prompts): alpha_measured (accepted / tested drafts: a draft after a rejection is never tested, so
+    this estimates alpha), acceptance_rate (accepted / drafted, the raw counter ratio), tokens_per_call (measured), tokens_per_call_predicted
     (E[N] from alpha_T), speedup_measured (tokens_per_call / (K c + 1)), chars_per_call, char_speedup_measured.
     """
 
@@ -417,6 +421,7 @@ class TaskFairness:
     char_speedup: float | None = None
     num_prompts: int = 0
     alpha_measured: float | None = None
+    acceptance_rate: float | None = None
     tokens_per_call: float | None = None
     tokens_per_call_predicted: float | None = None
     speedup_measured: float | None = None
@@ -650,6 +655,7 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
                                       pad_token_id=pad_token_id, vocab_size=vocab_size)
             row.num_prompts = gen["num_prompts"]
             row.alpha_measured, row.tokens_per_call = gen["alpha_measured"], gen["tokens_per_call"]
+            row.acceptance_rate = gen["acceptance_rate"]
             row.speedup_measured = row.tokens_per_call / (K * c + 1.0)
             row.chars_per_call = gen["chars_per_call"]
             if row.chars_per_token is None and gen["gen_chars_per_token"] is not None:

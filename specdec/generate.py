@@ -225,15 +225,15 @@ def generate(
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
                          f"got {tuple(attention_mask.shape)}")
-    if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
-        raise ValueError("attention_mask must contain only 0 and 1")
-    if bool((attention_mask.sum(dim=1) == 0).any()):
-        raise ValueError("input_ids has an empty prompt (a row whose attention_mask is all zeros)")
     device = input_ids.device
     for name, tensor_or_model in (("attention_mask", attention_mask), ("verifier", verifier), ("drafter", drafter)):
         other = tensor_or_model.device if isinstance(tensor_or_model, torch.Tensor) else _model_device(tensor_or_model)
         if other != device:
             raise ValueError(f"{name} is on {other} but input_ids is on {device}: move them to one device")
+    if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        raise ValueError("attention_mask must contain only 0 and 1")
+    if bool((attention_mask.sum(dim=1) == 0).any()):
+        raise ValueError("input_ids has an empty prompt (a row whose attention_mask is all zeros)")
     max_new_tokens = _check_int(max_new_tokens, "max_new_tokens", 1)
     num_drafts = _check_int(num_draft_tokens, "num_draft_tokens", 1)
     temperature = check_temperature(temperature)

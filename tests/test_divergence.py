@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
-
-import specdec.divergences as D
+import torch.nn.functional as nnf
 from specdec.kernels.divergence_reference import cross_entropy_rows, divergence_reference
+
+import specdec.divergences as sd
 
 NEG_INF = float("-inf")
 
@@ -25,9 +25,9 @@ def test_reference_matches_textbook_formulas(temperature: float) -> None:
     ce, kl, tv, alpha, _ = divergence_reference(v, d, temperature)
     p = torch.softmax(v / temperature, -1)
     q = torch.softmax(d / temperature, -1)
-    torch.testing.assert_close(ce, F.cross_entropy(d / temperature, p, reduction="none"), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ce, nnf.cross_entropy(d / temperature, p, reduction="none"), rtol=1e-12, atol=1e-12)
     log_p, log_q = torch.log_softmax(v / temperature, -1), torch.log_softmax(d / temperature, -1)
-    torch.testing.assert_close(kl, F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1), rtol=1e-12,
+    torch.testing.assert_close(kl, nnf.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1), rtol=1e-12,
                                atol=1e-12)
     torch.testing.assert_close(tv, 0.5 * (p - q).abs().sum(-1), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(alpha, 1 - tv, rtol=1e-12, atol=1e-12)
@@ -80,7 +80,7 @@ def test_support_mismatch_gives_inf_never_nan() -> None:
 def test_greedy_temperature_zero() -> None:
     v = torch.tensor([[0.0, 2.0, 2.0], [1.0, 0.0, 0.0], [3.0, 1.0, 0.0]])
     d = torch.tensor([[0.0, 2.0, 1.0], [0.0, 1.0, 0.0], [5.0, 1.0, 0.0]])
-    out = D.divergence(v, d, 0.0)
+    out = sd.divergence(v, d, 0.0)
     assert out.cross_entropy.tolist() == [0.0, math.inf, 0.0]
     assert out.kl.tolist() == [0.0, math.inf, 0.0]
     assert out.tv.tolist() == [0.0, 1.0, 0.0] and out.alpha.tolist() == [1.0, 0.0, 1.0]
@@ -92,7 +92,7 @@ def test_per_task_sums_are_group_by_and_mask_skips_tokens() -> None:
     g = torch.Generator().manual_seed(9)
     task_ids = torch.randint(-1, num_tasks - 1, (n,), generator=g)  # task 4 stays empty, -1 = no task
     mask = torch.rand(n, generator=g) > 0.25
-    out = D.divergence(v.float(), d.float(), 1.1, task_ids=task_ids, num_tasks=num_tasks, mask=mask, backend="torch")
+    out = sd.divergence(v.float(), d.float(), 1.1, task_ids=task_ids, num_tasks=num_tasks, mask=mask, backend="torch")
     assert out.cross_entropy.dtype == torch.float32 and out.cross_entropy.shape == (n,)
     for name in ("cross_entropy", "kl", "tv", "alpha"):
         assert bool((getattr(out, name)[~mask] == 0).all())
@@ -114,7 +114,7 @@ def test_per_task_sums_are_group_by_and_mask_skips_tokens() -> None:
 
 def test_public_torch_backend_matches_float64_reference() -> None:
     v, d = _logits(12, 50, 10, dtype=torch.float32), _logits(12, 50, 11, dtype=torch.float32)
-    out = D.divergence(v, d, 0.8, backend="auto")
+    out = sd.divergence(v, d, 0.8, backend="auto")
     ref = divergence_reference(v.double(), d.double(), 0.8)
     for got, want in zip((out.cross_entropy, out.kl, out.tv, out.alpha), ref[:4], strict=True):
         torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=1e-6)
@@ -136,7 +136,7 @@ def test_loss_gradient_is_weighted_q_minus_p_over_t(reduction: str) -> None:
     weights = torch.rand(n, generator=torch.Generator().manual_seed(16), dtype=torch.float64)
     mask = torch.ones(n, dtype=torch.bool)
     mask[[2, 5]] = False
-    loss = D.divergence_loss(drafter, verifier, weights, temperature, reduction, "torch", mask=mask)
+    loss = sd.divergence_loss(drafter, verifier, weights, temperature, reduction, "torch", mask=mask)
     loss.backward()
     w = torch.where(mask, weights, 0.0)
     ce = divergence_reference(verifier, drafter.detach(), temperature)[0]
@@ -162,9 +162,9 @@ def test_fused_linear_torch_path_matches_unfused() -> None:
     hidden = torch.randn(9, 6, generator=g, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(21, 6, generator=g, dtype=torch.float64, requires_grad=True)
     verifier = _logits(9, 21, 20)
-    loss = D.fused_linear_divergence_loss(hidden, weight, verifier, temperature=1.2, reduction="mean")
+    loss = sd.fused_linear_divergence_loss(hidden, weight, verifier, temperature=1.2, reduction="mean")
     logits = hidden @ weight.t()
-    expected = D.divergence_loss(logits, verifier, temperature=1.2, reduction="mean")
+    expected = sd.divergence_loss(logits, verifier, temperature=1.2, reduction="mean")
     torch.testing.assert_close(loss, expected)
 
 
@@ -202,14 +202,14 @@ GOOD_D = torch.ones(4, 7)
 def test_divergence_rejects_bad_arguments(kwargs: dict, error: type, needle: str) -> None:
     args = {"verifier_logits": GOOD_V, "drafter_logits": GOOD_D} | kwargs
     with pytest.raises(error, match=needle):
-        D.divergence(**args)
+        sd.divergence(**args)
 
 
 def test_masked_bad_rows_are_not_checked() -> None:
     d = GOOD_D.clone()
     d[1] = float("nan")
     mask = torch.tensor([True, False, True, True])
-    out = D.divergence(GOOD_V, d, mask=mask)
+    out = sd.divergence(GOOD_V, d, mask=mask)
     assert torch.isfinite(out.cross_entropy).all()
 
 
@@ -230,7 +230,7 @@ def test_masked_bad_rows_are_not_checked() -> None:
 def test_divergence_loss_rejects_bad_arguments(kwargs: dict, error: type, needle: str) -> None:
     args = {"drafter_logits": GOOD_D, "verifier_logits": GOOD_V} | kwargs
     with pytest.raises(error, match=needle):
-        D.divergence_loss(**args)
+        sd.divergence_loss(**args)
 
 
 @pytest.mark.parametrize(
@@ -248,10 +248,10 @@ def test_divergence_loss_rejects_bad_arguments(kwargs: dict, error: type, needle
 def test_fused_linear_rejects_bad_arguments(kwargs: dict, error: type, needle: str) -> None:
     args = {"drafter_hidden": torch.zeros(4, 3), "lm_head_weight": torch.zeros(7, 3), "verifier_logits": GOOD_V}
     with pytest.raises(error, match=needle):
-        D.fused_linear_divergence_loss(**(args | kwargs))
+        sd.fused_linear_divergence_loss(**(args | kwargs))
 
 
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        D.divergence(GOOD_V, GOOD_D, backend="triton")
+        sd.divergence(GOOD_V, GOOD_D, backend="triton")

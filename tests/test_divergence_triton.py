@@ -14,10 +14,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-
-import specdec.divergences as D  # noqa: E402
-from specdec.kernels import divergence as K  # noqa: E402
+from specdec.kernels import divergence as kdiv  # noqa: E402
 from specdec.kernels.divergence_reference import divergence_reference  # noqa: E402
+
+import specdec.divergences as sd  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NEG_INF = float("-inf")
@@ -46,7 +46,7 @@ def _hard_rows(v: torch.Tensor, d: torch.Tensor) -> None:
     v[5, 3] = 200.0
 
 
-def _check(out: D.DivergenceOutput, ref: tuple, tol: float, mask: torch.Tensor | None = None) -> None:
+def _check(out: sd.DivergenceOutput, ref: tuple, tol: float, mask: torch.Tensor | None = None) -> None:
     for got, want in zip((out.cross_entropy, out.kl, out.tv, out.alpha), ref[:4], strict=True):
         want = want.to(got.device)
         assert got.dtype == torch.float32
@@ -59,11 +59,11 @@ def _check(out: D.DivergenceOutput, ref: tuple, tol: float, mask: torch.Tensor |
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("n", "vocab", "temperature"), [(47, 123, 1.0), (13, 700, 0.7), (5, 1030, 1.9)])
+@pytest.mark.parametrize(("n", "vocab", "temperature"), [(47, 123, 1.0), (13, 700, 0.7), (7, 1030, 1.9)])
 def test_forward_matches_float64_reference(dtype: torch.dtype, n: int, vocab: int, temperature: float) -> None:
     v, d = _logits(n, vocab, 1, dtype=dtype), _logits(n, vocab, 2, dtype=dtype)
     _hard_rows(v, d)
-    out = D.divergence(v, d, temperature, backend="triton")
+    out = sd.divergence(v, d, temperature, backend="triton")
     ref = divergence_reference(v.double(), d.double(), temperature)
     _check(out, ref, TOL[dtype])
     assert torch.isinf(out.cross_entropy[1]) and torch.isinf(out.kl[1])
@@ -80,11 +80,11 @@ def test_per_task_sums_mask_and_grid_stride_loop() -> None:
     task_ids = torch.randint(-1, num_tasks, (n,), generator=g).to(DEVICE)
     mask = (torch.rand(n, generator=g) > 0.2).to(DEVICE)
     mask[1] = False  # the +inf row: keep the sums finite
-    previous = K.set_config(programs=5)  # 5 programs stride over 47 rows
+    previous = kdiv.set_config(programs=5)  # 5 programs stride over 47 rows
     try:
-        out = D.divergence(v, d, 1.3, task_ids=task_ids, num_tasks=num_tasks, mask=mask, backend="triton")
+        out = sd.divergence(v, d, 1.3, task_ids=task_ids, num_tasks=num_tasks, mask=mask, backend="triton")
     finally:
-        K.set_config(**previous)
+        kdiv.set_config(**previous)
     ref = divergence_reference(v.double(), d.double(), 1.3, mask=mask, task_ids=task_ids, num_tasks=num_tasks)
     _check(out, ref, 2e-5, mask)
     counted = mask & (task_ids >= 0)
@@ -102,8 +102,8 @@ def test_per_task_sums_mask_and_grid_stride_loop() -> None:
 def test_backends_agree_through_the_public_api() -> None:
     v, d = _logits(9, 300, 6), _logits(9, 300, 7)
     task_ids = torch.tensor([0, 1, 1, 0, 2, 2, 2, 0, -1], device=DEVICE)
-    a = D.divergence(v, d, 0.9, task_ids=task_ids, backend="triton")
-    b = D.divergence(v, d, 0.9, task_ids=task_ids, backend="torch")
+    a = sd.divergence(v, d, 0.9, task_ids=task_ids, backend="triton")
+    b = sd.divergence(v, d, 0.9, task_ids=task_ids, backend="torch")
     for name in ("cross_entropy", "kl", "tv", "alpha"):
         torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=2e-5, atol=2e-5)
         torch.testing.assert_close(getattr(a.per_task, f"{name}_sum"), getattr(b.per_task, f"{name}_sum"),
@@ -121,7 +121,7 @@ def test_kernel_flags_bad_rows(bad: str, needle: str) -> None:
     else:
         d[5] = NEG_INF
     with pytest.raises(ValueError, match=needle):
-        D.divergence(v, d, backend="triton")
+        sd.divergence(v, d, backend="triton")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -135,10 +135,10 @@ def test_loss_gradient_matches_autograd_through_reference(dtype: torch.dtype, re
     mask = torch.ones(n, dtype=torch.bool, device=DEVICE)
     mask[[3, 4]] = False
     d = d0.clone().requires_grad_()
-    loss = D.divergence_loss(d, v, weights, temperature, reduction, "triton", mask=mask)
+    loss = sd.divergence_loss(d, v, weights, temperature, reduction, "triton", mask=mask)
     (2.5 * loss).backward()
     d64 = d0.double().requires_grad_()
-    ref = D.divergence_loss(d64, v.double(), weights.double(), temperature, reduction, "torch", mask=mask)
+    ref = sd.divergence_loss(d64, v.double(), weights.double(), temperature, reduction, "torch", mask=mask)
     (2.5 * ref).backward()
     assert loss.dtype == torch.float32 and d.grad.dtype == dtype
     torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-5)
@@ -149,7 +149,7 @@ def test_loss_gradient_matches_autograd_through_reference(dtype: torch.dtype, re
 
 def test_loss_without_grad_and_default_weights() -> None:
     v, d = _logits(7, 130, 13), _logits(7, 130, 14)
-    loss = D.divergence_loss(d, v, backend="triton", reduction="mean")
+    loss = sd.divergence_loss(d, v, backend="triton", reduction="mean")
     ref = divergence_reference(v.double(), d.double(), 1.0)[0].mean()
     torch.testing.assert_close(loss.double(), ref, rtol=1e-6, atol=1e-6)
 
@@ -165,10 +165,10 @@ def test_fused_linear_gradients_match_autograd(dtype: torch.dtype) -> None:
     mask = torch.ones(n, dtype=torch.bool, device=DEVICE)
     mask[7] = False
     h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
-    loss = D.fused_linear_divergence_loss(h, w, verifier, weights, 1.2, "mean", "triton", mask=mask, chunk_size=8)
+    loss = sd.fused_linear_divergence_loss(h, w, verifier, weights, 1.2, "mean", "triton", mask=mask, chunk_size=8)
     (3.0 * loss).backward()
     h64, w64 = h0.double().requires_grad_(), w0.double().requires_grad_()
-    ref = D.fused_linear_divergence_loss(h64, w64, verifier.double(), weights.double(), 1.2, "mean", "torch",
+    ref = sd.fused_linear_divergence_loss(h64, w64, verifier.double(), weights.double(), 1.2, "mean", "torch",
                                          mask=mask)
     (3.0 * ref).backward()
     assert h.grad.dtype == dtype and w.grad.dtype == dtype
@@ -188,7 +188,7 @@ def test_large_vocabulary_forward(dtype: torch.dtype) -> None:
     v, d = _logits(n, vocab, 20, scale=2.0, dtype=dtype), _logits(n, vocab, 21, scale=2.0, dtype=dtype)
     _hard_rows(v, d)
     task_ids = torch.arange(n, device=DEVICE) % 3
-    out = D.divergence(v, d, 0.9, task_ids=task_ids, num_tasks=3)
+    out = sd.divergence(v, d, 0.9, task_ids=task_ids, num_tasks=3)
     ref = divergence_reference(v.double(), d.double(), 0.9, task_ids=task_ids, num_tasks=3)
     _check(out, ref, 1e-4)
     finite = torch.isfinite(ref[4][0])
@@ -200,13 +200,13 @@ def test_large_vocabulary_forward(dtype: torch.dtype) -> None:
 def test_large_vocabulary_persistent_grid_and_loss() -> None:
     n, vocab = 300, 151936
     v, d0 = _logits(n, vocab, 22, dtype=torch.bfloat16), _logits(n, vocab, 23, dtype=torch.bfloat16)
-    previous = K.set_config(programs_per_sm=1)
+    previous = kdiv.set_config(programs_per_sm=1)
     try:
-        out = D.divergence(v, d0)
+        out = sd.divergence(v, d0)
         d = d0.clone().requires_grad_()
-        D.divergence_loss(d, v, reduction="mean").backward()
+        sd.divergence_loss(d, v, reduction="mean").backward()
     finally:
-        K.set_config(**previous)
+        kdiv.set_config(**previous)
     ref = divergence_reference(v.double(), d0.double(), 1.0)
     _check(out, ref, 1e-4)
     p = torch.softmax(v.double(), -1)

@@ -2,7 +2,7 @@
 
 Two synthetic tasks over disjoint token ranges, each a first-order Markov chain (a random permutation followed with
 probability 0.9 / 0.8, else a second permutation). The verifier is trained on both; the drafter on task "common"
-and barely on task "rare". The finetuning data keeps that imbalance (200 vs 12 texts), so uniform KD on the natural
+and barely on task "rare". The finetuning data keeps that imbalance (200 vs 4 texts), so uniform KD on the natural
 mixture mostly trains the task that is already good.
 """
 
@@ -92,7 +92,12 @@ def constructed_case() -> tuple[LlamaForCausalLM, LlamaForCausalLM, dict[str, li
 
 @pytest.fixture(scope="module")
 def case():
-    return constructed_case()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: thread start-up dominates, and the CPU is shared
+    try:
+        yield constructed_case()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _metrics(report) -> dict[str, float]:
@@ -102,7 +107,7 @@ def _metrics(report) -> dict[str, float]:
 
 def test_scdf_lowers_unfairness_without_levelling_down(case):
     verifier, drafter0, _ = case
-    finetune_data = {"common": make_texts("common", 200, seed=100), "rare": make_texts("rare", 12, seed=101)}
+    finetune_data = {"common": make_texts("common", 200, seed=100), "rare": make_texts("rare", 4, seed=101)}
     eval_tasks = {name: {"texts": make_texts(name, 24, seed=200 + i),
                          "prompts": [t[:6] for t in make_texts(name, 4, seed=300 + i)]}
                   for i, name in enumerate(RANGES)}
@@ -120,18 +125,21 @@ def test_scdf_lowers_unfairness_without_levelling_down(case):
 
     results = {"none": _metrics(before)}
     reports = {}
-    for method in ("uniform_kd", "balanced", "exact_variance", "scdf"):
+    runs = {"uniform_kd": ("uniform_kd", "ce"), "balanced": ("balanced", "ce"),
+            "exact_variance": ("exact_variance", "ce"), "scdf": ("scdf", "ce"), "scdf (kl basis)": ("scdf", "kl")}
+    for label, (method, basis) in runs.items():
         drafter = copy.deepcopy(drafter0)
-        finetune_drafter(drafter, verifier, finetune_data, method=method, weight_basis="ce", steps=60,
+        finetune_drafter(drafter, verifier, finetune_data, method=method, weight_basis=basis, steps=60,
                          batch_size_per_task=8, seq_len=SEQ_LEN, lr=3e-3, eval_every=30, seed=0, progress=False)
-        reports[method] = evaluate(verifier, drafter, eval_tasks, **eval_kwargs)
-        results[method] = _metrics(reports[method])
+        reports[label] = evaluate(verifier, drafter, eval_tasks, **eval_kwargs)
+        results[label] = _metrics(reports[label])
 
     lines = [f"{'method':<16}{'U (CE)':>10}{'U (KL)':>10}{'mean α':>10}{'worst α':>10}"]
     for method, m in results.items():
         lines.append(f"{method:<16}{m['U_ce']:>10.4f}{m['U_kl']:>10.4f}{m['mean_alpha']:>10.4f}"
                      f"{m['worst_alpha']:>10.4f}")
     print("\n".join(lines))
+    print("\nafter s-CDF (CE basis):\n" + reports["scdf"].to_markdown())
 
     base, scdf = results["none"], results["scdf"]
     assert scdf["U_ce"] <= 0.7 * base["U_ce"], "s-CDF must lower U on its weight basis (CE) by >= 30%"
@@ -159,7 +167,7 @@ def test_exact_variance_loss_is_half_m_grad_u():
     u = ((k - k.mean()) ** 2).mean()
     (grad_u,) = torch.autograd.grad(u, k)
     assert torch.allclose(grad_loss, grad_u * k.numel() / 2)
-    assert unfairness(k.detach()) == pytest.approx(float(u))
+    assert unfairness(k.detach()) == pytest.approx(float(u.detach()))
 
 
 def test_scdf_loss_basis_and_token_weights():

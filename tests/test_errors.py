@@ -1,0 +1,107 @@
+"""Bad input gets a clear ValueError/TypeError naming the argument."""
+
+import pytest
+import torch
+from models import left_padded_prompts, tiny_llama
+
+import specdec
+
+VOCAB = 40
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_llama(vocab_size=VOCAB, seed=0), tiny_llama(vocab_size=VOCAB, hidden_size=16, num_layers=1, seed=1)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return left_padded_prompts([3, 5], VOCAB, seed=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"num_draft_tokens": 0}, "num_draft_tokens"),
+        ({"num_draft_tokens": 2.5}, "num_draft_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"eos_token_id": VOCAB}, "eos_token_id"),
+        ({"backend": "cuda"}, "backend"),
+    ],
+)
+def test_generate_rejects_bad_options(pair, prompts, kwargs, match):
+    verifier, drafter = pair
+    with pytest.raises(ValueError, match=match):
+        specdec.generate(verifier, drafter, *prompts, **kwargs)
+
+
+def test_generate_rejects_bad_inputs(pair, prompts):
+    verifier, drafter = pair
+    input_ids, attention_mask = prompts
+    with pytest.raises(ValueError, match="vocabularies differ"):
+        specdec.generate(verifier, tiny_llama(vocab_size=VOCAB + 7, seed=2), input_ids, attention_mask)
+    with pytest.raises(ValueError, match="empty prompt"):
+        specdec.generate(verifier, drafter, input_ids, torch.zeros_like(attention_mask))
+    with pytest.raises(ValueError, match="input_ids"):
+        specdec.generate(verifier, drafter, input_ids[:, :0])
+    with pytest.raises(ValueError, match="attention_mask"):
+        specdec.generate(verifier, drafter, input_ids, attention_mask[:1])
+    with pytest.raises(TypeError, match="input_ids"):
+        specdec.generate(verifier, drafter, input_ids.float())
+    with pytest.raises(ValueError, match="input_ids"):
+        specdec.generate(verifier, drafter, input_ids + VOCAB)
+    with pytest.raises(ValueError, match="device"):
+        specdec.generate(verifier, drafter, input_ids.to("meta"), attention_mask.to("meta"))
+    with pytest.raises(TypeError, match="drafter"):
+        specdec.generate(verifier, "not a model", input_ids, attention_mask)
+
+
+def _sampler_inputs(batch=2, num_drafts=3, vocab=10):
+    generator = torch.Generator().manual_seed(0)
+    return (torch.randn(batch, num_drafts + 1, vocab, generator=generator),
+            torch.randn(batch, num_drafts, vocab, generator=generator),
+            torch.randint(0, vocab, (batch, num_drafts), generator=generator))
+
+
+def test_rejection_sample_rejects_bad_inputs():
+    target, draft, drafts = _sampler_inputs()
+    cases = [
+        ((target[:1], draft, drafts), {}, ValueError, "draft_logits"),
+        ((target, draft, drafts[:1]), {}, ValueError, "draft_tokens"),
+        ((target, draft[:, :2], drafts), {}, ValueError, "draft_logits"),
+        ((target, draft[..., :9], drafts), {}, ValueError, "draft_logits"),
+        ((target[:, :1], draft[:, :0], drafts[:, :0]), {}, ValueError, "K\\+1"),
+        ((target, draft, drafts.float()), {}, TypeError, "draft_tokens"),
+        ((target.long(), draft, drafts), {}, TypeError, "target_logits"),
+        ((target, draft, drafts + 10), {}, ValueError, "draft_tokens"),
+        ((target, draft, drafts - 5), {}, ValueError, "draft_tokens"),
+        ((target, draft, drafts), {"temperature": -1.0}, ValueError, "temperature"),
+        ((target, draft, drafts), {"backend": "numpy"}, ValueError, "backend"),
+        ((target, draft, drafts), {"seeds": torch.zeros(3, dtype=torch.int64)}, ValueError, "seeds"),
+        ((target, draft, drafts), {"num_draft_tokens": torch.tensor([1, 4])}, ValueError, "num_draft_tokens"),
+        ((target, draft, drafts), {"greedy_mask": torch.tensor([1, 0])}, ValueError, "greedy_mask"),
+        ((target, draft.to("meta"), drafts), {"check_nan": False}, ValueError, "device"),
+    ]
+    for args, kwargs, error, match in cases:
+        with pytest.raises(error, match=match):
+            specdec.rejection_sample(*args, **kwargs)
+
+
+@pytest.mark.parametrize("which", ["target_logits", "draft_logits"])
+def test_rejection_sample_refuses_nan_logits(which):
+    target, draft, drafts = _sampler_inputs()
+    (target if which == "target_logits" else draft)[1, 0, 3] = float("nan")
+    with pytest.raises(ValueError, match=f"{which} contains NaN"):
+        specdec.rejection_sample(target, draft, drafts, temperature=1.0)
+
+
+def test_backend_triton_on_cpu_without_interpreter_is_refused(monkeypatch):
+    target, draft, drafts = _sampler_inputs()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        specdec.rejection_sample(target, draft, drafts, backend="triton")
