@@ -112,3 +112,27 @@ def test_vocabularies_differing_by_padding_rows_use_the_shared_range(verifier):
     out = specdec.generate(verifier, padded_drafter, input_ids, attention_mask, max_new_tokens=12,
                            vocab_size=VOCAB, pad_token_id=0)
     assert torch.equal(out.sequences, _reference(verifier, input_ids, attention_mask, 12, eos_token_id=[]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton backend on the device)")
+def test_on_gpu_with_triton_backend_greedy_and_sampling_are_lossless(verifier, drafters):
+    device = torch.device("cuda")
+    gpu_verifier = tiny_llama(vocab_size=VOCAB, hidden_size=64, num_layers=2, seed=0, init_std=0.3).to(device)
+    gpu_drafter = perturbed_copy(gpu_verifier.cpu(), noise=0.05, seed=1).to(device)
+    gpu_verifier.to(device)
+    input_ids, attention_mask = left_padded_prompts([5, 9, 2, 7], VOCAB, seed=4)
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    expected = _reference(gpu_verifier, input_ids, attention_mask, 24, eos_token_id=[])
+    for num_draft_tokens in (1, 3, 8):
+        out = specdec.generate(gpu_verifier, gpu_drafter, input_ids, attention_mask, max_new_tokens=24,
+                               num_draft_tokens=num_draft_tokens, pad_token_id=0, backend="triton")
+        assert torch.equal(out.sequences.cpu(), expected.cpu())
+    sampler = tiny_llama(vocab_size=VOCAB, hidden_size=64, num_layers=2, seed=10, init_std=0.3)
+    sampler_drafter = perturbed_copy(sampler, noise=0.2, seed=11)
+    law = _exact_two_token_law(sampler, torch.tensor([5, 17, 33, 8]), 1.0, 0, 1.0)
+    prompt = torch.tensor([5, 17, 33, 8], device=device)
+    out = specdec.generate(sampler.to(device), sampler_drafter.to(device), prompt.expand(50000, -1).clone(),
+                           max_new_tokens=2, num_draft_tokens=2, temperature=1.0, seed=5, backend="triton")
+    pairs = out.sequences[:, -2:].cpu()
+    counts = torch.bincount(pairs[:, 0] * VOCAB + pairs[:, 1], minlength=VOCAB * VOCAB)
+    assert_follows(counts, law.flatten(), what="joint law of (x1, x2) on the GPU")
