@@ -4,7 +4,8 @@ With per-position acceptance probability alpha = sum_x min(p(x), q(x)) = 1 - TV(
 
 * expected tokens per verifier call  E[N] = (1 - alpha^(K+1)) / (1 - alpha)   (K + 1 at alpha = 1)
 * speed-up with cost ratio c = t_drafter / t_verifier   S = E[N] / (K c + 1)
-* P(n accepted drafts) for position-wise acceptance a_1..a_K: (prod_{i<=n} a_i)(1 - a_{n+1}) for n < K, prod a_i for n = K.
+* P(n accepted drafts) for position-wise acceptance a_1..a_K:
+  (prod_{i<=n} a_i)(1 - a_{n+1}) for n < K, and prod_i a_i for n = K.
 """
 
 from __future__ import annotations

@@ -86,7 +86,9 @@ def rejection_sample(
     batch, num_positions, vocab = target_logits.shape
     num_drafts = num_positions - 1
     if num_drafts < 1:
-        raise ValueError(f"target_logits must have K+1 >= 2 positions ([B, K+1, V]), got shape {tuple(target_logits.shape)}")
+        raise ValueError(
+            f"target_logits must have K+1 >= 2 positions ([B, K+1, V]), got shape {tuple(target_logits.shape)}"
+        )
     if vocab < 1:
         raise ValueError("target_logits must have a vocabulary dimension V >= 1")
     if tuple(draft_logits.shape) != (batch, num_drafts, vocab):
@@ -95,10 +97,13 @@ def rejection_sample(
             f"{tuple(target_logits.shape)}, got {tuple(draft_logits.shape)}"
         )
     if tuple(draft_tokens.shape) != (batch, num_drafts):
-        raise ValueError(f"draft_tokens must have shape [B, K] = {(batch, num_drafts)}, got {tuple(draft_tokens.shape)}")
-    device = check_same_device(target_logits=target_logits, draft_logits=draft_logits, draft_tokens=draft_tokens,
-                               seeds=seeds, offsets=offsets, num_draft_tokens=num_draft_tokens,
-                               greedy_mask=greedy_mask)
+        raise ValueError(
+            f"draft_tokens must have shape [B, K] = {(batch, num_drafts)}, got {tuple(draft_tokens.shape)}"
+        )
+    device = check_same_device(
+        target_logits=target_logits, draft_logits=draft_logits, draft_tokens=draft_tokens, seeds=seeds,
+        offsets=offsets, num_draft_tokens=num_draft_tokens, greedy_mask=greedy_mask,
+    )
     draft_tokens = draft_tokens.to(torch.int64)
     if draft_tokens.numel() and (int(draft_tokens.min()) < -1 or int(draft_tokens.max()) >= vocab):
         raise ValueError(f"draft_tokens must lie in [0, V={vocab}) (or -1 for no draft)")

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
-from models import left_padded_prompts, tiny_llama
 
 import specdec
+
+from models import left_padded_prompts, tiny_llama
 
 VOCAB = 40
 

@@ -3,10 +3,11 @@ reproduces the verifier's joint law of the first two tokens."""
 
 import pytest
 import torch
-from models import left_padded_prompts, perturbed_copy, tiny_llama
-from stats import assert_follows
 
 import specdec
+
+from models import left_padded_prompts, perturbed_copy, tiny_llama
+from stats import assert_follows
 
 VOCAB = 96
 

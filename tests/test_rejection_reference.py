@@ -6,10 +6,11 @@ standard deviations above the statistic's mean, after merging bins expecting few
 
 import pytest
 import torch
-from stats import assert_follows
 
 import specdec
 from specdec.metrics import accepted_count_distribution
+
+from stats import assert_follows
 
 BACKEND = "torch"
 ROWS = 20000

@@ -5,9 +5,10 @@ import math
 import torch
 import triton
 import triton.language as tl
-from stats import assert_follows
 
 from specdec.kernels.rng import ACCEPT_INDEX, hash32, stream_keys_tl, uniform, uniform_from_keys_tl
+
+from stats import assert_follows
 
 
 @triton.jit

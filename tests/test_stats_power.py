@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from stats import assert_follows
 
 

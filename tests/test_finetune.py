@@ -1,0 +1,249 @@
+"""specdec.finetune: frozen verifier, checkpoint/resume, corrupt checkpoints, DDP equivalence, argument checks."""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdec.finetune import CHECKPOINT_NAME, CheckpointError, finetune_drafter, load_checkpoint, save_checkpoint
+
+VOCAB = 40
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_llama(hidden: int, layers: int, seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2, attn_implementation="eager", initializer_range=0.3)
+    return LlamaForCausalLM(config).eval()
+
+
+def make_pair() -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    return tiny_llama(32, 2, seed=0), tiny_llama(16, 1, seed=1)
+
+
+def make_tasks(seed: int = 0) -> dict[str, list[list[int]]]:
+    gen = torch.Generator().manual_seed(seed)
+    return {"a": [torch.randint(3, 20, (int(torch.randint(6, 14, (1,), generator=gen)),), generator=gen).tolist()
+                  for _ in range(10)],
+            "b": [torch.randint(20, VOCAB, (12,), generator=gen).tolist() for _ in range(3)]}
+
+
+SMALL = dict(steps=4, batch_size_per_task=3, seq_len=10, lr=1e-2, eval_every=2, progress=False, seed=0)
+
+
+def weights_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_verifier_frozen_and_greedy_outputs_identical():
+    verifier, drafter = make_pair()
+    verifier.train()  # its mode must be restored too
+    before = copy.deepcopy(verifier)
+    flags = [p.requires_grad for p in verifier.parameters()]
+    prompt = torch.tensor([[1, 5, 9, 12], [1, 22, 30, 25]])
+    with torch.no_grad():
+        greedy_before = before.eval().generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    drafter_before = copy.deepcopy(drafter)
+    result = finetune_drafter(drafter, verifier, make_tasks(), method="scdf", **SMALL)
+    assert weights_equal(verifier, before), "verifier parameters must be bitwise unchanged"
+    assert [p.requires_grad for p in verifier.parameters()] == flags
+    assert all(p.grad is None for p in verifier.parameters())
+    assert verifier.training
+    verifier.eval()
+    with torch.no_grad():
+        greedy_after = verifier.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(greedy_before, greedy_after)
+    assert not weights_equal(drafter, drafter_before), "the drafter must have been trained"
+    assert [h["step"] for h in result.history] == [0, 2, 4]
+    assert result.history[-1]["train_loss"] is not None and len(result.losses) == 4
+    for key in ("U", "U_ce", "U_kl", "U_tv", "mean_alpha", "worst_alpha", "worst_task", "per_task"):
+        assert key in result.final
+    assert set(result.final["per_task"]) == {"a", "b"}
+
+
+@pytest.mark.parametrize("method", ["uniform_kd", "balanced", "exact_variance"])
+def test_baselines_run(method):
+    verifier, drafter = make_pair()
+    result = finetune_drafter(drafter, verifier, make_tasks(), method=method, weight_basis="tv",
+                              **{**SMALL, "steps": 2})
+    assert result.method == method and result.steps == 2
+
+
+def test_scdf_weights_follow_the_basis():
+    verifier, drafter = make_pair()
+    seen = []
+    finetune_drafter(drafter, verifier, make_tasks(), method="scdf", weight_basis="kl", weight_floor=0.25,
+                     callback=lambda step, info: seen.append(info), **{**SMALL, "steps": 2})
+    for info in seen:
+        values, weights = info["task_values"], info["weights"]
+        assert weights == pytest.approx([v - min(values) + 0.25 for v in values], rel=1e-5)
+
+
+def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):
+    verifier, drafter0 = make_pair()
+    tasks = make_tasks()
+    full = copy.deepcopy(drafter0)
+    full_result = finetune_drafter(full, verifier, tasks, checkpoint_dir=tmp_path / "full", **{**SMALL, "steps": 6})
+
+    class Interrupt(Exception):
+        pass
+
+    def stop_at_5(step, info):
+        if step == 5:
+            raise Interrupt
+
+    part = copy.deepcopy(drafter0)
+    with pytest.raises(Interrupt):
+        finetune_drafter(part, verifier, tasks, checkpoint_dir=tmp_path / "part", callback=stop_at_5,
+                         **{**SMALL, "steps": 6})
+    assert load_checkpoint(str(tmp_path / "part" / CHECKPOINT_NAME))["meta"]["step"] == 4
+    resumed = copy.deepcopy(drafter0)  # a fresh process would start from the initial weights again
+    res = finetune_drafter(resumed, verifier, tasks, checkpoint_dir=tmp_path / "part", **{**SMALL, "steps": 6})
+    assert res.resumed_from == 4
+    assert weights_equal(resumed, full)
+    assert [h["step"] for h in res.history] == [h["step"] for h in full_result.history] == [0, 2, 4, 6]
+    assert res.final["U"] == pytest.approx(full_result.final["U"], abs=0, rel=0)
+    # a finished run resumes to a no-op
+    again = copy.deepcopy(drafter0)
+    done = finetune_drafter(again, verifier, tasks, checkpoint_dir=tmp_path / "full", **{**SMALL, "steps": 6})
+    assert done.losses == [] and weights_equal(again, full)
+    # a checkpoint of another configuration is refused
+    with pytest.raises(CheckpointError, match="different settings"):
+        finetune_drafter(copy.deepcopy(drafter0), verifier, tasks, checkpoint_dir=tmp_path / "full", method="balanced",
+                         **{**SMALL, "steps": 6})
+
+
+def _good_checkpoint(tmp_path) -> str:
+    verifier, drafter = make_pair()
+    finetune_drafter(drafter, verifier, make_tasks(), checkpoint_dir=tmp_path, **{**SMALL, "steps": 2})
+    return str(tmp_path / CHECKPOINT_NAME)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage"])
+def test_corrupt_checkpoint_gives_clear_error_and_is_not_overwritten(tmp_path, damage):
+    path = _good_checkpoint(tmp_path)
+    data = open(path, "rb").read()
+    if damage == "flip":
+        pos = len(data) - 100
+        data = data[:pos] + bytes([data[pos] ^ 0xFF]) + data[pos + 1:]
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data = b"not a checkpoint at all"
+    with open(path, "wb") as f:
+        f.write(data)
+    with pytest.raises(CheckpointError, match="corrupt|truncated"):
+        load_checkpoint(path)
+    verifier, drafter = make_pair()
+    with pytest.raises(CheckpointError, match=CHECKPOINT_NAME):
+        finetune_drafter(drafter, verifier, make_tasks(), checkpoint_dir=tmp_path, **{**SMALL, "steps": 2})
+    assert open(path, "rb").read() == data, "a failing resume must not touch the checkpoint"
+
+
+def test_failed_save_never_overwrites_a_good_checkpoint(tmp_path, monkeypatch):
+    path = _good_checkpoint(tmp_path)
+    good = open(path, "rb").read()
+    import safetensors.torch
+
+    real_save = safetensors.torch.save_file
+
+    def short_write(tensors, filename, metadata=None):  # simulates a full disk / crash mid-write
+        real_save(tensors, filename, metadata=metadata)
+        with open(filename, "r+b") as f:
+            f.truncate(os.path.getsize(filename) // 3)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", short_write)
+    verifier, drafter = make_pair()
+    optimizer = torch.optim.AdamW(drafter.parameters())
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        save_checkpoint(path, drafter, optimizer, 7, torch.Generator(), [], {})
+    assert open(path, "rb").read() == good
+    assert os.listdir(tmp_path) == [CHECKPOINT_NAME], "no temporary file may be left behind"
+    monkeypatch.setattr(safetensors.torch, "save_file", real_save)
+    load_checkpoint(path)
+
+
+def test_missing_or_foreign_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(str(tmp_path / "nope.safetensors"))
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "foreign.safetensors"))
+    with pytest.raises(CheckpointError, match="not a specdec"):
+        load_checkpoint(str(tmp_path / "foreign.safetensors"))
+
+
+def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        verifier, drafter = make_pair()
+        finetune_drafter(drafter, verifier, make_tasks(), method="scdf", checkpoint_dir=out_dir,
+                         **{**SMALL, "steps": 3})
+        torch.save(drafter.state_dict(), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_two_processes_match_one_process(tmp_path):
+    verifier, single = make_pair()
+    finetune_drafter(single, verifier, make_tasks(), method="scdf", **{**SMALL, "steps": 3})
+    out_dir = tmp_path / "ddp"
+    out_dir.mkdir()
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(out_dir)), nprocs=2, join=True)
+    ranks = [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
+    reference = single.state_dict()
+    for name, value in reference.items():
+        assert torch.equal(ranks[0][name], ranks[1][name]), "DDP replicas diverged"
+        torch.testing.assert_close(ranks[0][name], value, rtol=1e-4, atol=1e-5)
+    ckpt = load_checkpoint(str(out_dir / CHECKPOINT_NAME))  # written once, by rank 0
+    assert ckpt["meta"]["step"] == 3
+    shutil.rmtree(out_dir)
+
+
+@pytest.mark.parametrize(("kwargs", "error", "needle"), [
+    (dict(method="sft"), ValueError, "method"),
+    (dict(weight_basis="js"), ValueError, "weight_basis"),
+    (dict(weight_floor=-0.1), ValueError, "weight_floor"),
+    (dict(steps=-1), ValueError, "steps"),
+    (dict(batch_size_per_task=0), ValueError, "batch_size_per_task"),
+    (dict(seq_len=1), ValueError, "seq_len"),
+    (dict(lr=0.0), ValueError, "lr"),
+    (dict(lr="fast"), TypeError, "lr"),
+    (dict(temperature=0.0), ValueError, "temperature"),
+    (dict(max_grad_norm=-1.0), ValueError, "max_grad_norm"),
+    (dict(eval_every=0), ValueError, "eval_every"),
+    (dict(tasks=[[1, 2]]), TypeError, "tasks"),
+    (dict(tasks={}), ValueError, "tasks"),
+    (dict(tasks={"a": ["some text"]}), ValueError, "tokenizer"),
+    (dict(tasks={"a": [[3]]}), ValueError, "at least 2 tokens"),
+    (dict(tasks={"a": [[3, 99]]}), ValueError, "vocab_size"),
+])
+def test_bad_inputs(kwargs, error, needle):
+    verifier, drafter = make_pair()
+    tasks = kwargs.pop("tasks", make_tasks())
+    with pytest.raises(error, match=needle):
+        finetune_drafter(drafter, verifier, tasks, progress=False, **kwargs)
+    with pytest.raises(ValueError, match="different modules"):
+        finetune_drafter(verifier, verifier, make_tasks(), progress=False)
+    with pytest.raises(TypeError, match="drafter"):
+        finetune_drafter(None, verifier, make_tasks(), progress=False)
