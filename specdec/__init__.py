@@ -4,6 +4,13 @@
 and ``specdec.divergence`` are the fused kernels behind it and behind the fairness metrics.
 """
 
+from specdec.divergences import (
+    DivergenceOutput,
+    PerTaskDivergence,
+    divergence,
+    divergence_loss,
+    fused_linear_divergence_loss,
+)
 from specdec.generate import GenerateOutput, SpecDecodeStats, generate
 from specdec.metrics import accepted_count_distribution, expected_tokens_per_call, speedup
 from specdec.sampling import RejectionSampleOutput, filter_logits, rejection_sample
@@ -11,6 +18,11 @@ from specdec.sampling import RejectionSampleOutput, filter_logits, rejection_sam
 __version__ = "0.1.0"
 
 __all__ = [
+    "DivergenceOutput",
+    "PerTaskDivergence",
+    "divergence",
+    "divergence_loss",
+    "fused_linear_divergence_loss",
     "GenerateOutput",
     "RejectionSampleOutput",
     "SpecDecodeStats",

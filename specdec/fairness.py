@@ -398,8 +398,9 @@ class TaskFairness:
     cross_entropy (K_T), kl (D_T), tv (TV_T), entropy (H_T(p)), r_q, r_p, fitness (1 - r_q), bound_tv
     (S(1 - TV_T)), bound_pinsker (S(max(0, 1 - sqrt(D_T/2)))), chars_per_token, char_speedup.
     Generation (prompts): alpha_measured (accepted / tested drafts: a draft after a rejection is never tested, so
-    this estimates alpha), acceptance_rate (accepted / drafted, the raw counter ratio), tokens_per_call (measured), tokens_per_call_predicted
-    (E[N] from alpha_T), speedup_measured (tokens_per_call / (K c + 1)), chars_per_call, char_speedup_measured.
+    this estimates alpha), acceptance_rate (accepted / drafted, the raw counter ratio), tokens_per_call (measured),
+    tokens_per_call_predicted (E[N] from alpha_T), speedup_measured (tokens_per_call / (K c + 1)), chars_per_call,
+    char_speedup_measured.
     """
 
     name: str

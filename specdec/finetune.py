@@ -200,7 +200,8 @@ def _restore(ckpt: dict[str, Any], drafter: torch.nn.Module, optimizer: torch.op
 
 
 # ------------------------------------------------------------------------------------------------------- data
-def _tokenize_tasks(tasks: object, tokenizer: Any, name: str) -> dict[str, list[list[int]]]:
+def _tokenize_tasks(tasks: object, tokenizer: Any, name: str,
+                    add_special_tokens: bool = False) -> dict[str, list[list[int]]]:
     if not isinstance(tasks, Mapping):
         raise TypeError(f"{name} must be a mapping from task name to a list of texts or token-id lists, "
                         f"got {type(tasks).__name__}")
@@ -210,7 +211,7 @@ def _tokenize_tasks(tasks: object, tokenizer: Any, name: str) -> dict[str, list[
     for task, items in tasks.items():
         if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
             raise TypeError(f"{name}[{task!r}] must be a list of texts or token-id lists, got {type(items).__name__}")
-        tokens, _ = encode_items(items, tokenizer, f"{name}[{task!r}]")
+        tokens, _ = encode_items(items, tokenizer, f"{name}[{task!r}]", add_special_tokens)
         tokens = [t for t in tokens if len(t) >= 2]
         if not tokens:
             raise ValueError(f"{name}[{task!r}] has no text of at least 2 tokens")
@@ -312,6 +313,7 @@ def finetune_drafter(
     pad_token_id: int = 0,
     vocab_size: int | None = None,
     callback: Callable[[int, dict[str, Any]], None] | None = None,
+    add_special_tokens: bool = False,
 ) -> FinetuneResult:
     """Finetune ``drafter`` in place toward ``verifier`` with s-CDF or a baseline; the verifier is never modified.
 
@@ -332,14 +334,17 @@ def finetune_drafter(
         checkpoint_dir: folder for ``drafter_checkpoint.safetensors`` (None = no checkpoints);
             checkpoint_every: steps between checkpoints (default ``eval_every``); one is always written at the end.
         resume: continue from the checkpoint in ``checkpoint_dir`` when there is one (a corrupt one raises
-            :class:`CheckpointError` instead of being overwritten).
+            :class:`CheckpointError` instead of being overwritten); ``resume=False`` starts afresh and replaces it at
+            the first save.
         seed: seeds the minibatch sampler. progress: tqdm bar (rank 0 only).
         eval_tasks: held-out texts for the evaluations (default: the first ``eval_examples`` texts of each task,
             cropped to ``seq_len``).
         normalize_weights: divide the per-task weights by ``sum |w_i|``.
         backend: divergence kernel backend. autocast: bf16 autocast (default: on CUDA only).
         pad_token_id: id used to right-pad windows (masked out). vocab_size: shared id range of the two models.
-        callback: called as ``callback(step, info)`` after every step (info has ``loss``, ``weights``, ``task_values``).
+        callback: called as ``callback(step, info)`` after every step (info has ``loss``, ``weights``,
+            ``task_values`` and ``grad_norm``, the global gradient norm before clipping).
+        add_special_tokens: passed to ``tokenizer.encode`` for string texts (e.g. to prepend BOS).
 
     Returns:
         :class:`FinetuneResult`.
@@ -377,13 +382,13 @@ def finetune_drafter(
         vocab_size = min(model_vocab_size(verifier), model_vocab_size(drafter))
     autocast = device.type == "cuda" if autocast is None else bool(autocast)
 
-    corpus_map = _tokenize_tasks(tasks, tokenizer, "tasks")
+    corpus_map = _tokenize_tasks(tasks, tokenizer, "tasks", add_special_tokens)
     names = list(corpus_map)
     corpus = [corpus_map[n] for n in names]
     if eval_tasks is None:
         eval_tokens = {n: [s[:seq_len] for s in corpus_map[n][:eval_examples]] for n in names}
     else:
-        eval_tokens = _tokenize_tasks(eval_tasks, tokenizer, "eval_tasks")
+        eval_tokens = _tokenize_tasks(eval_tasks, tokenizer, "eval_tasks", add_special_tokens)
     for n, seqs in list(corpus_map.items()) + list(eval_tokens.items()):
         if max(max(s) for s in seqs) >= vocab_size or min(min(s) for s in seqs) < 0:
             raise ValueError(f"tasks[{n!r}] has token ids outside [0, vocab_size={vocab_size})")
@@ -483,15 +488,16 @@ def finetune_drafter(
             loss = divergence_loss(d_logits, v_logits, weights=tok_w, temperature=temperature, reduction="sum",
                                    backend=backend)
             (loss * world).backward()
-            if max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(drafter.parameters(), max_grad_norm)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(
+                drafter.parameters(), max_grad_norm if max_grad_norm is not None else float("inf")))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(objective)
             since_eval.append(objective)
             bar.update(1)
             if callback is not None:
-                callback(step, {"loss": objective, "weights": weights.tolist(), "task_values": basis.tolist()})
+                callback(step, {"loss": objective, "weights": weights.tolist(), "task_values": basis.tolist(),
+                                "grad_norm": grad_norm})
             is_last = step == steps
             if is_last or (eval_every is not None and step % eval_every == 0):
                 evaluate_now(step, sum(since_eval) / len(since_eval))

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as nnf
-from specdec.kernels.divergence_reference import cross_entropy_rows, divergence_reference
 
 import specdec.divergences as sd
+from specdec.kernels.divergence_reference import cross_entropy_rows, divergence_reference
 
 NEG_INF = float("-inf")
 

@@ -145,6 +145,8 @@ def test_scdf_lowers_unfairness_without_levelling_down(case):
     assert scdf["U_ce"] <= 0.7 * base["U_ce"], "s-CDF must lower U on its weight basis (CE) by >= 30%"
     assert scdf["mean_alpha"] >= base["mean_alpha"], "s-CDF must not lower the mean acceptance"
     assert scdf["worst_alpha"] > base["worst_alpha"], "s-CDF must raise the worst task's acceptance"
+    # U alone can be gamed: the exact-variance weights level the tasks by pushing the good one away from the verifier
+    assert results["exact_variance"]["mean_alpha"] < scdf["mean_alpha"]
     # the verifier is frozen throughout
     for k, v in verifier.state_dict().items():
         assert torch.equal(v, verifier_state[k])

@@ -1,0 +1,261 @@
+"""Benchmark of the fused divergence kernels against eager torch, torch.compile and Liger-Kernel, on one GPU.
+
+Every provider runs in this one process on one card. Rows go to ``benchmarks/results/divergence_<gpu>.csv`` (or
+``--out``): kernel, provider, N, V, dtype, pass, median_ms, p20_ms, p80_ms, peak_mem_gib, gpu, versions, plus
+extra columns (inputs_gib, gbps = bytes of the inputs read once / median time).
+
+``peak_mem_gib`` is the peak of ``torch.cuda.max_memory_allocated`` during one call *minus* the memory allocated
+before it (inputs excluded), i.e. the extra memory the op needs.
+
+Usage: ``python benchmarks/bench_divergence.py [--quick] [--sweep] [--out PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as nnf
+import triton
+from triton.testing import do_bench
+
+import specdec.divergences as sd
+from specdec.kernels import divergence as kdiv
+
+QUANTILES = [0.5, 0.2, 0.8]
+
+
+def eager_forward(v: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CE, KL and TV per row the usual way: float32 log-softmaxes, kl_div, cross-entropy with soft targets."""
+    log_p = torch.log_softmax(v.float(), dim=-1)
+    log_q = torch.log_softmax(d.float(), dim=-1)
+    p = log_p.exp()
+    ce = -(p * log_q).sum(-1)
+    kl = nnf.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1)
+    tv = 0.5 * (p - log_q.exp()).abs().sum(-1)
+    return ce, kl, tv
+
+
+def eager_loss(d: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the drafter against the verifier (soft targets), verifier detached."""
+    return nnf.cross_entropy(d.float(), torch.softmax(v.float(), dim=-1).detach())
+
+
+def bench(fn, warmup: int = 10, rep: int = 100) -> tuple[float, float, float]:
+    fn()
+    torch.cuda.synchronize()
+    med, p20, p80 = do_bench(fn, warmup=warmup, rep=rep, quantiles=QUANTILES)
+    return med, p20, p80
+
+
+def peak_extra_gib(fn) -> float:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (GB/s)."""
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=10, rep=200, return_mode="median")
+    return 2 * 2 * 2**30 / (ms * 1e-3) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="one small shape, for a smoke run")
+    parser.add_argument("--sweep", action="store_true", help="sweep Triton launch settings first, keep the best")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--no-compile", action="store_true")
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
+    gpu = torch.cuda.get_device_name().replace(" ", "_")
+    try:
+        import liger_kernel
+        from liger_kernel.transformers import LigerKLDIVLoss
+
+        liger_version = getattr(liger_kernel, "__version__", None)
+        if liger_version is None:
+            from importlib.metadata import version
+
+            liger_version = version("liger-kernel")
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        print("liger-kernel not importable:", exc, file=sys.stderr)
+        LigerKLDIVLoss, liger_version = None, "absent"
+    versions = f"torch={torch.__version__};triton={triton.__version__};liger={liger_version}"
+    out_path = args.out or os.path.join(os.path.dirname(__file__), "results", f"divergence_{gpu}.csv")
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    rows: list[dict] = []
+    copy_gbps = copy_bandwidth()
+    print(f"gpu={gpu} {versions} copy={copy_gbps:.0f} GB/s", flush=True)
+    dtype = torch.bfloat16
+
+    def record(kernel, provider, n, v, pass_, timing, mem, inputs_bytes):
+        med, p20, p80 = timing
+        row = dict(kernel=kernel, provider=provider, N=n, V=v, dtype="bf16", **{"pass": pass_},
+                   median_ms=round(med, 4), p20_ms=round(p20, 4), p80_ms=round(p80, 4),
+                   peak_mem_gib=round(mem, 3), gpu=gpu, versions=versions, inputs_gib=round(inputs_bytes / 2**30, 3),
+                   gbps=round(inputs_bytes / (med * 1e-3) / 1e9, 1) if med == med else float("nan"),
+                   copy_gbps=round(copy_gbps, 1))
+        rows.append(row)
+        print(f"{kernel:14s} {provider:10s} N={n:6d} V={v:6d} {pass_:8s} {med:9.3f} ms "
+              f"[{p20:.3f},{p80:.3f}] extra={mem:7.2f} GiB  {row['gbps']} GB/s", flush=True)
+
+    def safe(kernel, provider, n, v, pass_, fn, inputs_bytes, rep=100):
+        try:
+            mem = peak_extra_gib(fn)
+            timing = bench(fn, rep=rep)
+        except torch.OutOfMemoryError:
+            timing, mem = (math.nan,) * 3, math.nan
+            print(f"{kernel} {provider} N={n} V={v} {pass_}: out of memory", flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+        record(kernel, provider, n, v, pass_, timing, mem, inputs_bytes)
+
+    if args.sweep:
+        n, v = (1024, 32000) if args.quick else (16384, 151936)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        ver = (torch.randn(n, v, device="cuda", generator=g) * 2).to(dtype)
+        dra = (torch.randn(n, v, device="cuda", generator=g) * 2).to(dtype)
+        best = None
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        grid = [(2048, 4), (4096, 8), (4096, 4), (8192, 16)]
+        for block, warps in grid:
+            for programs in (0, sms // 2, (3 * sms) // 4, sms, 2 * sms):
+                for evict in (0, 1):
+                    pps = programs
+                    kdiv.set_config(block=block, num_warps=warps, programs=programs, evict_last=evict)
+                    fn = lambda: sd.divergence(ver, dra, check_inputs=False)  # noqa: B023
+                    try:
+                        med = bench(fn, rep=50)[0]
+                    except Exception as exc:  # noqa: BLE001 - a config that fails to compile is skipped
+                        print("config failed", block, warps, pps, exc, flush=True)
+                        continue
+                    print(f"sweep block={block} warps={warps} programs={pps} evict_last={evict}: {med:.3f} ms "
+                          f"({2 * ver.numel() * 2 / (med * 1e-3) / 1e9:.0f} GB/s)", flush=True)
+                    if best is None or med < best[0]:
+                        best = (med, block, warps, pps, evict)
+        kdiv.set_config(block=best[1], num_warps=best[2], programs=best[3], evict_last=best[4])
+        print(f"best config: block={best[1]} num_warps={best[2]} programs={best[3]} evict_last={best[4]} "
+              f"{best[0]:.3f} ms", flush=True)
+        ver = dra = None
+    cfg = dict(kdiv._CONFIG)
+    versions += f";config=block{cfg['block']}_w{cfg['num_warps']}_programs{cfg['programs']}_evict{cfg['evict_last']}"
+
+    compiled_fwd = None if args.no_compile else torch.compile(eager_forward, dynamic=True)
+    compiled_loss = None if args.no_compile else torch.compile(eager_loss, dynamic=True)
+    liger = LigerKLDIVLoss(reduction="batchmean", log_target=True) if LigerKLDIVLoss is not None else None
+
+    shapes = [(1024, 32000)] if args.quick else [(n, v) for v in (32000, 151936) for n in (1024, 4096, 16384)]
+    for n, v in shapes:
+        g = torch.Generator(device="cuda").manual_seed(n + v)
+        ver = (torch.randn(n, v, device="cuda", generator=g) * 2).to(dtype)
+        dra = (torch.randn(n, v, device="cuda", generator=g) * 2).to(dtype)
+        inputs_bytes = 2 * ver.numel() * ver.element_size()
+        rep = 100 if n * v < 2**30 else 300
+        # ---- forward: CE, KL, TV (and alpha) per token ----
+        safe("divergence", "specdec", n, v, "fwd", lambda: sd.divergence(ver, dra, check_inputs=False),  # noqa: B023
+             inputs_bytes, rep)
+        safe("divergence", "eager", n, v, "fwd", lambda: eager_forward(ver, dra), inputs_bytes, rep)  # noqa: B023
+        if compiled_fwd is not None:
+            safe("divergence", "compile", n, v, "fwd", lambda: compiled_fwd(ver, dra), inputs_bytes, rep)  # noqa: B023
+        if liger is not None:
+            def liger_fwd():
+                return liger(torch.log_softmax(dra.float(), -1), torch.log_softmax(ver.float(), -1))  # noqa: B023
+
+            safe("divergence", "liger", n, v, "fwd", liger_fwd, inputs_bytes, rep)
+        # ---- forward + backward of the mean cross-entropy w.r.t. the drafter logits ----
+        d_req = dra.clone().requires_grad_()
+
+        def run_specdec():
+            d_req.grad = None  # noqa: B023
+            sd.divergence_loss(d_req, ver, reduction="mean").backward()  # noqa: B023
+
+        def run_eager():
+            d_req.grad = None  # noqa: B023
+            eager_loss(d_req, ver).backward()  # noqa: B023
+
+        def run_compiled():
+            d_req.grad = None  # noqa: B023
+            compiled_loss(d_req, ver).backward()  # noqa: B023
+
+        def run_liger():
+            d_req.grad = None  # noqa: B023
+            liger(torch.log_softmax(d_req.float(), -1), torch.log_softmax(ver.float(), -1)).backward()  # noqa: B023
+
+        safe("ce_loss", "specdec", n, v, "fwd+bwd", run_specdec, inputs_bytes, rep)
+        safe("ce_loss", "eager", n, v, "fwd+bwd", run_eager, inputs_bytes, rep)
+        if compiled_loss is not None:
+            safe("ce_loss", "compile", n, v, "fwd+bwd", run_compiled, inputs_bytes, rep)
+        if liger is not None:
+            safe("ce_loss", "liger", n, v, "fwd+bwd", run_liger, inputs_bytes, rep)
+        ver = dra = d_req = None
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    # ---- fused linear: LM head + loss, forward + backward ----
+    n, v, h = (1024, 32000, 256) if args.quick else (16384, 151936, 896)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    hidden = (torch.randn(n, h, device="cuda", generator=g)).to(dtype).requires_grad_()
+    weight = (torch.randn(v, h, device="cuda", generator=g) / math.sqrt(h)).to(dtype).requires_grad_()
+    ver = (torch.randn(n, v, device="cuda", generator=g) * 2).to(dtype)
+
+    def fused():
+        hidden.grad = weight.grad = None
+        sd.fused_linear_divergence_loss(hidden, weight, ver, reduction="mean").backward()
+
+    def eager_fused():
+        hidden.grad = weight.grad = None
+        eager_loss(hidden @ weight.t(), ver).backward()
+
+    inputs_bytes = ver.numel() * 2
+    safe("fused_linear", "specdec", n, v, "fwd+bwd", fused, inputs_bytes, 300)
+    safe("fused_linear", "eager", n, v, "fwd+bwd", eager_fused, inputs_bytes, 300)
+    if liger is not None:
+        def liger_fused():
+            hidden.grad = weight.grad = None
+            logits = hidden @ weight.t()
+            liger(torch.log_softmax(logits.float(), -1), torch.log_softmax(ver.float(), -1)).backward()
+
+        safe("fused_linear", "liger", n, v, "fwd+bwd", liger_fused, inputs_bytes, 300)
+
+    with open(out_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    # ---- summary table: ratios against specdec ----
+    print(f"\nwrote {out_path}; copy {copy_gbps:.0f} GB/s; {time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"{'kernel':13s} {'N':>6s} {'V':>6s} {'pass':8s} {'specdec ms':>10s} {'%copy':>6s} "
+          f"{'x eager':>8s} {'x compile':>9s} {'x liger':>8s} {'mem/eager':>9s} {'mem/liger':>9s}")
+    keyed = {(r["kernel"], r["provider"], r["N"], r["V"]): r for r in rows}
+    for r in rows:
+        if r["provider"] != "specdec":
+            continue
+        key = (r["kernel"], r["N"], r["V"])
+
+        def other(p, field, key=key):
+            o = keyed.get((key[0], p, key[1], key[2]))
+            return o[field] if o else math.nan
+
+        ratio = lambda p, r=r: other(p, "median_ms") / r["median_ms"]  # noqa: E731
+        mem = lambda p, r=r: r["peak_mem_gib"] / other(p, "peak_mem_gib")  # noqa: E731
+        pct = 100 * r["gbps"] / copy_gbps
+        print(f"{r['kernel']:13s} {r['N']:6d} {r['V']:6d} {r['pass']:8s} {r['median_ms']:10.3f} {pct:6.1f} "
+              f"{ratio('eager'):8.1f} {ratio('compile'):9.1f} {ratio('liger'):8.1f} {mem('eager'):9.3f} "
+              f"{mem('liger'):9.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""Rejection-sampling benchmark: specdec's fused Triton kernel vs torch (eager, compiled) vs FlashInfer.
+
+Every provider runs in this one process on one card, on the same inputs, timed by CUDA-graph replay of calls over
+rotated input sets (``benchmarks/common.time_graph``; ``do_bench`` only where a provider cannot be captured, noted
+in the ``timing`` column). Inputs: target logits ``N(0, 2^2)``, draft logits = target + ``N(0, 0.7^2)`` (mean
+acceptance alpha ~ 0.7, reported), drafts sampled from q, temperature 1.
+
+Providers (``provider`` column):
+  specdec         ``rejection_sample_triton`` (strategy "auto"), from logits
+  specdec_split / specdec_seq   the two launch strategies forced
+  torch_eager     ``rejection_sample_reference``
+  torch_compile   ``torch.compile(rejection_sample_reference)``
+  flashinfer      ``flashinfer.sampling.softmax`` on both logit tensors + ``chain_speculative_sampling``
+  flashinfer_kernel  ``chain_speculative_sampling`` alone, handed precomputed probabilities
+
+``gbps`` counts the logical input bytes ``B (2K+1) V esize`` once; ``gbps_read`` (specdec only) counts the bytes
+the kernel actually reads on these inputs (early exit and the race's re-read of the stop row included).
+
+Usage: python benchmarks/bench_rejection.py [--quick] [--out benchmarks/results] [--max-seconds 420]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import environment, measure_copy_bandwidth, time_do_bench, time_graph  # noqa: E402
+
+from specdec.kernels.rejection_sampling import rejection_sample_triton  # noqa: E402
+from specdec.kernels.rejection_sampling_reference import rejection_sample_reference  # noqa: E402
+
+BATCHES = (1, 8, 32, 128)
+DRAFTS = (1, 4, 8)
+VOCABS = (151936, 128256, 32000)  # the issue's headline vocabulary first
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+TEMPERATURE = 1.0
+FIELDS = ["kernel", "provider", "B", "K", "V", "dtype", "median_us", "p20_us", "p80_us", "gbps", "gbps_read",
+          "copy_gbps", "frac_copy", "alpha", "timing", "match_ref", "gpu", "torch", "triton", "flashinfer", "note"]
+
+
+def make_inputs(batch, num_drafts, vocab, dtype, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    target = torch.randn(batch, num_drafts + 1, vocab, generator=gen, device="cuda") * 2.0
+    draft = target[:, :num_drafts] + 0.7 * torch.randn(batch, num_drafts, vocab, generator=gen, device="cuda")
+    gumbel = -torch.log(-torch.log(torch.rand(batch, num_drafts, vocab, generator=gen, device="cuda")))
+    drafts = torch.argmax(draft / TEMPERATURE + gumbel, dim=-1)
+    del gumbel
+    seeds = torch.randint(0, 2**62, (batch,), generator=gen, device="cuda")
+    offsets = torch.zeros(batch, dtype=torch.int64, device="cuda")
+    return dict(target=target.to(dtype), draft=draft.to(dtype), drafts=drafts, seeds=seeds, offsets=offsets)
+
+
+def bytes_read(strategy, num_accepted, num_drafts, vocab, esize):
+    """Bytes specdec reads on these inputs (sampled rows, all drafts real)."""
+    acc = num_accepted.double()
+    rejected = (acc < num_drafts).double()
+    if strategy == "split":
+        rows = 2 * num_drafts + 1 + rejected  # stats: K target + K draft rows; race: stop row (+ its draft row)
+    else:
+        rows = torch.where(rejected > 0, 2 * (acc + 1) + 2, torch.full_like(acc, 2 * num_drafts + 1.0))
+    return float(rows.sum()) * vocab * esize
+
+
+def setup_flashinfer():
+    """Import FlashInfer and JIT-build its sampling module; returns (module, note)."""
+    try:
+        import flashinfer
+        import flashinfer.sampling as fs
+
+        probs = torch.softmax(torch.randn(2, 3, 1000, device="cuda"), -1)
+        fs.chain_speculative_sampling(probs[:, :2].contiguous(), torch.zeros(2, 2, dtype=torch.int32,
+                                      device="cuda"), probs.contiguous())
+        fs.softmax(torch.randn(4, 1000, device="cuda"), temperature=1.0)
+        torch.cuda.synchronize()
+        return fs, f"flashinfer {flashinfer.__version__}"
+    except Exception as exc:  # recorded in the results
+        traceback.print_exc()
+        return None, f"flashinfer not run: {type(exc).__name__}: {str(exc)[:300]}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--quick", action="store_true", help="V = 151936 only")
+    parser.add_argument("--max-seconds", type=float, default=1e9, help="stop starting new shapes after this")
+    parser.add_argument("--providers", default="specdec,specdec_split,specdec_seq,torch_eager,torch_compile,"
+                                               "flashinfer,flashinfer_kernel")
+    args = parser.parse_args()
+    providers = args.providers.split(",")
+    t_start = time.time()
+    env = environment()
+    gpu_tag = env["gpu"].replace("NVIDIA ", "").replace(" ", "_").replace("/", "_")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"rejection_{gpu_tag}.csv")
+    copy_gbps = measure_copy_bandwidth()
+    props = torch.cuda.get_device_properties(0)
+    l2_bytes = getattr(props, "L2_cache_size", 50 << 20)
+    print(f"# {env}  copy {copy_gbps:.0f} GB/s  SMs {props.multi_processor_count}  L2 {l2_bytes >> 20} MiB", flush=True)
+    fs, fi_note = setup_flashinfer() if any(p.startswith("flashinfer") for p in providers) else (None, "skipped")
+    print("#", fi_note, flush=True)
+    torch._dynamo.config.cache_size_limit = 256
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = 256
+    compiled = torch.compile(rejection_sample_reference)
+
+    rows = []
+    vocabs = (151936,) if args.quick else VOCABS
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=FIELDS)
+        writer.writeheader()
+        for dtype_name, dtype in DTYPES.items():
+            esize = torch.tensor([], dtype=dtype).element_size()
+            for vocab in vocabs:
+                for num_drafts in DRAFTS:
+                    for batch in BATCHES:
+                        if time.time() - t_start > args.max_seconds:
+                            print(f"# time budget reached, skipping {dtype_name} V={vocab} K={num_drafts} B={batch}")
+                            continue
+                        set_bytes = batch * (2 * num_drafts + 1) * vocab * esize
+                        n_sets = max(1, min(16, math.ceil(2 * l2_bytes / set_bytes)))
+                        sets = [make_inputs(batch, num_drafts, vocab, dtype, seed=s) for s in range(n_sets)]
+                        s0 = sets[0]
+                        ref = rejection_sample_reference(s0["target"], s0["draft"], s0["drafts"], s0["seeds"],
+                                                         s0["offsets"], TEMPERATURE)
+                        lp = torch.log_softmax(s0["target"][:, :num_drafts].float(), -1)
+                        lq = torch.log_softmax(s0["draft"].float(), -1)
+                        alpha = float(torch.minimum(lp, lq).exp().sum(-1).mean())
+                        del lp, lq
+                        logical = set_bytes
+                        if "flashinfer_kernel" in providers and fs is not None:
+                            for s in sets:
+                                s["tp"] = torch.softmax(s["target"].float() / TEMPERATURE, -1)
+                                s["dp"] = torch.softmax(s["draft"].float() / TEMPERATURE, -1)
+                                s["d32"] = s["drafts"].to(torch.int32)
+                        elif fs is not None:
+                            for s in sets:
+                                s["d32"] = s["drafts"].to(torch.int32)
+
+                        def fn_for(provider, s, batch=batch, num_drafts=num_drafts, vocab=vocab):
+                            args_ = (s["target"], s["draft"], s["drafts"], s["seeds"], s["offsets"], TEMPERATURE)
+                            if provider.startswith("specdec"):
+                                strategy = {"specdec": "auto", "specdec_split": "split",
+                                            "specdec_seq": "seq"}[provider]
+                                return lambda: rejection_sample_triton(*args_, strategy=strategy)
+                            if provider == "torch_eager":
+                                return lambda: rejection_sample_reference(*args_)
+                            if provider == "torch_compile":
+                                return lambda: compiled(*args_)
+                            if provider == "flashinfer":
+                                def full():
+                                    tp = fs.softmax(s["target"].view(-1, vocab), temperature=TEMPERATURE)
+                                    dp = fs.softmax(s["draft"].view(-1, vocab), temperature=TEMPERATURE)
+                                    return fs.chain_speculative_sampling(
+                                        dp.view(batch, num_drafts, vocab), s["d32"],
+                                        tp.view(batch, num_drafts + 1, vocab))
+                                return full
+                            if provider == "flashinfer_kernel":
+                                return lambda: fs.chain_speculative_sampling(s["dp"], s["d32"], s["tp"])
+                            raise ValueError(provider)
+
+                        for provider in providers:
+                            if provider.startswith("flashinfer") and fs is None:
+                                row = dict(note=fi_note)
+                                med = p20 = p80 = float("nan")
+                                timing = "not run"
+                            else:
+                                note = ""
+                                fns = [fn_for(provider, s) for s in sets]
+                                try:
+                                    med, p20, p80 = time_graph(fns)
+                                    timing = "cuda_graph"
+                                except Exception as exc:
+                                    torch.cuda.synchronize()
+                                    note = f"graph capture failed ({type(exc).__name__}); do_bench"
+                                    try:
+                                        med, p20, p80 = time_do_bench(fns)
+                                        timing = "do_bench"
+                                    except Exception as exc2:
+                                        med = p20 = p80 = float("nan")
+                                        timing = "failed"
+                                        note = f"{type(exc2).__name__}: {str(exc2)[:200]}"
+                                row = dict(note=note)
+                            match = ""
+                            read = float("nan")
+                            if provider.startswith("specdec") and timing != "not run":
+                                strategy = {"specdec": "auto", "specdec_split": "split", "specdec_seq": "seq"}[
+                                    provider]
+                                out = rejection_sample_triton(s0["target"], s0["draft"], s0["drafts"], s0["seeds"],
+                                                              s0["offsets"], TEMPERATURE, strategy=strategy)
+                                match = str(bool(torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])))
+                                used = strategy if strategy != "auto" else (
+                                    "seq" if batch >= 64 else "split")
+                                read = bytes_read(used, out[1], num_drafts, vocab, esize)
+                            row.update(kernel="rejection_sample", provider=provider, B=batch, K=num_drafts,
+                                       V=vocab, dtype=dtype_name, median_us=f"{med:.2f}", p20_us=f"{p20:.2f}",
+                                       p80_us=f"{p80:.2f}", gbps=f"{logical / med / 1e3:.1f}",
+                                       gbps_read=f"{read / med / 1e3:.1f}",
+                                       copy_gbps=f"{copy_gbps:.0f}", frac_copy=f"{read / med / 1e3 / copy_gbps:.3f}",
+                                       alpha=f"{alpha:.3f}", timing=timing, match_ref=match, **env)
+                            writer.writerow(row)
+                            handle.flush()
+                            rows.append(row)
+                            print(f"{provider:18s} {dtype_name} B={batch:3d} K={num_drafts} V={vocab:6d} "
+                                  f"{med:9.1f} us  [{p20:.1f}, {p80:.1f}]  {timing} {match} {row.get('note', '')}",
+                                  flush=True)
+                        del sets, s0, ref
+                        torch.cuda.empty_cache()
+    summarize(rows, env, copy_gbps)
+    print(f"# wrote {path} in {time.time() - t_start:.0f} s")
+
+
+def summarize(rows, env, copy_gbps):
+    """Ratio table: provider time / specdec time (>1 means specdec is faster)."""
+    table = {}
+    for row in rows:
+        table[(row["provider"], row["B"], row["K"], row["V"], row["dtype"])] = float(row["median_us"])
+    print(f"\n# {env['gpu']}  copy {copy_gbps:.0f} GB/s  (median us; x = provider / specdec)")
+    print(f"{'dtype':5s} {'V':>6s} {'B':>4s} {'K':>2s} {'specdec':>9s} {'split':>8s} {'seq':>8s} {'eager':>9s} "
+          f"{'compile':>9s} {'fi':>9s} {'fi_kern':>8s} {'x_eager':>7s} {'x_comp':>7s} {'x_fi':>6s} {'x_fik':>6s}")
+    keys = sorted({k[1:] for k in table}, key=lambda k: (k[3], k[2], k[1], k[0]))
+    for batch, num_drafts, vocab, dtype in keys:
+        def get(provider, key=(batch, num_drafts, vocab, dtype)):
+            return table.get((provider,) + key, float("nan"))
+        s = get("specdec")
+        print(f"{dtype:5s} {vocab:6d} {batch:4d} {num_drafts:2d} {s:9.1f} {get('specdec_split'):8.1f} "
+              f"{get('specdec_seq'):8.1f} {get('torch_eager'):9.1f} {get('torch_compile'):9.1f} "
+              f"{get('flashinfer'):9.1f} {get('flashinfer_kernel'):8.1f} {get('torch_eager') / s:7.1f} "
+              f"{get('torch_compile') / s:7.1f} {get('flashinfer') / s:6.1f} {get('flashinfer_kernel') / s:6.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,576 @@
+"""Fused Triton rejection sampler for speculative decoding: verifier scoring, accept test, recovery, bonus.
+
+Takes **logits** (fp32, bf16, fp16 or fp64, loaded and computed in fp32): no ``[B, K+1, V]`` probability tensor is
+ever materialised. The function :func:`rejection_sample_triton` computes exactly what
+:func:`specdec.kernels.rejection_sampling_reference.rejection_sample_reference` computes, on the same counter-based
+random stream (:mod:`specdec.kernels.rng`), so tokens and accepted counts agree with the reference element for
+element (up to float rounding in the normaliser, which can only flip a decision on a near-tie of probability
+~1e-6 per decision).
+
+Mathematics (per row ``b``, position ``j``; ``s_b = 1/T`` for sampled rows and ``1`` for greedy rows)::
+
+    L_t[j] = logsumexp_x(s_b * target[b, j, x])          online over vocabulary tiles, fp32
+    L_d[j] = logsumexp_x(s_b * draft[b, j, x])
+    log p_j(x) = s_b * target[b, j, x] - L_t[j],   log q_j(x) = s_b * draft[b, j, x] - L_d[j]
+    accept_j  = q_j(x_j) > 0  and  log u_j + log q_j(x_j) <= log p_j(x_j),  u_j = U(seed_b, off_b + j, ACCEPT)
+    stop      = first j < n_b that is rejected, else n_b               (= num_accepted)
+    next      = argmax_x log(max(0, p_stop(x) - q_stop(x))) - log(-log U(seed_b, off_b + stop, x))   if rejected
+                (the race falls back to p when the residual is zero everywhere)
+              = argmax_x s_b * target[b, stop, x] - log(-log U(...))                                  otherwise
+    greedy rows: accept_j = (x_j == argmax_x target[b, j, x]) (lowest id on ties), next = that argmax at ``stop``.
+
+The exponential race (Gumbel-max) needs no normalised residual and decomposes over vocabulary tiles: each tile
+keeps its best (score, lowest id), tiles and programs combine with ``>`` in id order.
+
+Two launch strategies compute the same function:
+
+* ``"split"`` (small batches; also whenever ``compute_scores``): three launches.
+  (1) ``_stats_kernel``, grid ``(B*(K+1), S)``: every program reduces one vocabulary chunk of one (row, position)
+  pair to partial (max, sum-exp) of target and draft and, for greedy rows, the lowest arg-max. Positions past a
+  row's last draft are skipped. (2) ``_race_kernel``, grid ``(B, S2)``: every program combines the partials of its
+  row (vectorised over positions), runs the accept tests, finds the stop position, then runs the exponential race
+  on its vocabulary chunk of the stop row only (and, with ``compute_scores``, partial alpha sums for all
+  positions). (3) ``_finalize_kernel``, grid ``(B,)``: combines the race winners and writes the outputs.
+  Splitting the vocabulary keeps every SM busy at B = 1.
+* ``"seq"`` (large batches): one launch, one program per row, positions in order with **early exit**: rows past the
+  first rejection are never read. Bytes read are ``(2 * (stop + 1) - [bonus]) * V`` per row plus the re-read of the
+  stop row(s) for the race instead of ``(2K + 1) * V``.
+
+Safety: all row offsets are int64; lanes past ``V`` load as ``-inf``; draft ids are clamped to ``[0, V)`` before a
+gather; ``-1`` drafts end a row; ``q(draft) = 0`` is always rejected. **NaN / all ``-inf`` rows:** the public
+wrapper raises on NaN (``check_nan=True``); in the kernel NaN never wins a comparison, and when a race or arg-max
+has no finite candidate (an all ``-inf`` or NaN row) the kernel writes ``-1`` at the stop position instead of an
+id, so it never emits an id outside ``[0, V)`` (the reference would emit id 0 for such rows).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .rng import stream_keys_tl, uniform_from_keys_tl
+
+__all__ = ["rejection_sample_triton"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shared device helpers
+
+
+@triton.jit
+def _row_setup(draft_tokens_ptr, num_drafts_ptr, greedy_ptr, b, K, inv_t,
+               HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, ALL_GREEDY: tl.constexpr, KP2: tl.constexpr):
+    """Per-row draft count n_b (counts capped at the first -1), greedy flag (int32) and logit scale (fp32)."""
+    ks = tl.arange(0, KP2)
+    toks = tl.load(draft_tokens_ptr + b.to(tl.int64) * K + ks, mask=ks < K, other=0)
+    n_b = tl.min(tl.where((toks < 0) & (ks < K), ks, K), axis=0)
+    if HAS_COUNTS:
+        cnt = tl.load(num_drafts_ptr + b).to(tl.int32)
+        n_b = tl.minimum(n_b, tl.minimum(tl.maximum(cnt, 0), K))
+    g = n_b * 0
+    if HAS_MASK:
+        g = tl.load(greedy_ptr + b).to(tl.int32)
+    if ALL_GREEDY:
+        g = g * 0 + 1
+    scale = tl.where(g != 0, 1.0, inv_t)
+    return n_b, g, scale
+
+
+@triton.jit
+def _lse_update2(m_t, s_t, t, m_d, s_d, d):
+    """:func:`_lse_update` for the target and the draft tile at once (one call: cheaper in the interpreter)."""
+    new_t = tl.maximum(m_t, tl.max(t, axis=0))
+    safe_t = tl.where(new_t == float("-inf"), 0.0, new_t)
+    s_t = s_t * tl.exp(m_t - safe_t) + tl.sum(tl.exp(t - safe_t), axis=0)
+    new_d = tl.maximum(m_d, tl.max(d, axis=0))
+    safe_d = tl.where(new_d == float("-inf"), 0.0, new_d)
+    s_d = s_d * tl.exp(m_d - safe_d) + tl.sum(tl.exp(d - safe_d), axis=0)
+    return new_t, s_t, new_d, s_d
+
+
+@triton.jit
+def _argmax_update(best_v, best_i, x, offs, V):
+    """Running arg-max with ties to the lowest id (tiles are visited in increasing id order)."""
+    tile_max = tl.max(x, axis=0)
+    tile_idx = tl.min(tl.where(x == tile_max, offs, V), axis=0)
+    upd = tile_max > best_v
+    return tl.where(upd, tile_max, best_v), tl.where(upd, tile_idx, best_i)
+
+
+@triton.jit
+def _race_tile(t, d, lt, ld, rejected, key_a, key_b, offs, best_r, idx_r, best_p, idx_p, V):
+    """One tile of the two exponential races: on the residual max(0, p - q) (only after a rejection) and on p
+    (the scaled target logits: the normaliser does not move the arg-max)."""
+    u = uniform_from_keys_tl(key_a, key_b, offs)
+    noise = tl.log(-tl.log(u))
+    resid = tl.exp(t - lt) - tl.exp(d - ld)
+    r_score = tl.where(resid > 0.0, tl.log(resid), float("-inf")) - noise
+    r_score = tl.where(rejected, r_score, float("-inf"))
+    p_score = t - noise
+    tile_r = tl.max(r_score, axis=0)
+    tile_ri = tl.min(tl.where(r_score == tile_r, offs, V), axis=0)
+    upd_r = tile_r > best_r
+    tile_p = tl.max(p_score, axis=0)
+    tile_pi = tl.min(tl.where(p_score == tile_p, offs, V), axis=0)
+    upd_p = tile_p > best_p
+    return (tl.where(upd_r, tile_r, best_r), tl.where(upd_r, tile_ri, idx_r),
+            tl.where(upd_p, tile_p, best_p), tl.where(upd_p, tile_pi, idx_p))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# "split" strategy
+
+
+@triton.jit
+def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy_ptr, stats_ptr, argmax_ptr,
+                  inv_t, V, K, chunk, S,
+                  HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, ALL_GREEDY: tl.constexpr,
+                  COMPUTE_SCORES: tl.constexpr, KP2: tl.constexpr, BLOCK: tl.constexpr):
+    """Partial (max, sum exp) of target and draft over one vocabulary chunk of one (row, position).
+
+    stats: [B*(K+1), S, 4] fp32 (m_t, s_t, m_d, s_d); argmax: [B*(K+1), S] int32 (greedy rows, else V).
+    """
+    pair = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pair // (K + 1)
+    j = pair % (K + 1)
+    n_b, g, scale = _row_setup(draft_tokens_ptr, num_drafts_ptr, greedy_ptr, b, K, inv_t,
+                               HAS_COUNTS, HAS_MASK, ALL_GREEDY, KP2)
+    need_t = (j < n_b) | ((j == n_b) & (g != 0))  # sampled rows race on raw logits at the bonus position
+    need_d = (j < n_b) & (g == 0)
+    if COMPUTE_SCORES:
+        need_t = need_t | (j < K)
+        need_d = need_d | (j < K)
+    t_base = target_ptr + pair.to(tl.int64) * V
+    d_base = draft_ptr + (b.to(tl.int64) * K + tl.minimum(j, K - 1)) * V
+    lo = split * chunk
+    hi = tl.where(need_t, tl.minimum(lo + chunk, V), lo)
+    v_d = tl.where(need_d, V, 0)  # (a scalar-bool & vector-bool mask trips Triton's interpreter)
+    m_t = float("-inf")
+    s_t = 0.0
+    m_d = float("-inf")
+    s_d = 0.0
+    am_v = float("-inf")
+    am_i = V
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inb = offs < V
+        t = tl.load(t_base + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale
+        d = tl.load(d_base + offs, mask=offs < v_d, other=float("-inf")).to(tl.float32) * scale
+        m_t, s_t, m_d, s_d = _lse_update2(m_t, s_t, t, m_d, s_d, d)
+        if g != 0:
+            am_v, am_i = _argmax_update(am_v, am_i, t, offs, V)
+    out = (pair.to(tl.int64) * S + split) * 4
+    tl.store(stats_ptr + out, m_t)
+    tl.store(stats_ptr + out + 1, s_t)
+    tl.store(stats_ptr + out + 2, m_d)
+    tl.store(stats_ptr + out + 3, s_d)
+    tl.store(argmax_ptr + pair.to(tl.int64) * S + split, am_i)
+
+
+@triton.jit
+def _combine_lse(m, s, axis: tl.constexpr):
+    """Combine partial (max, sum-exp) along ``axis`` into log-sum-exp (-inf for an empty row)."""
+    mm = tl.max(m, axis=axis)
+    safe = tl.where(mm == float("-inf"), 0.0, mm)
+    if axis == 1:
+        tot = tl.sum(s * tl.exp(m - safe[:, None]), axis=1)
+    else:
+        tot = tl.sum(s * tl.exp(m - safe[None, :]), axis=0)
+    return mm + tl.log(tot), mm
+
+
+@triton.jit
+def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy_ptr, seeds_ptr, offsets_ptr,
+                 stats_ptr, argmax_ptr, race_ptr, info_ptr, logprob_ptr, alpha_part_ptr,
+                 inv_t, V, K, S, chunk, S2,
+                 HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, ALL_GREEDY: tl.constexpr,
+                 COMPUTE_SCORES: tl.constexpr, KP2: tl.constexpr, JP2: tl.constexpr, SP2: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Accept tests (vectorised over positions), stop position, race over one chunk of the stop row.
+
+    race: [B, S2, 4] fp32 (best residual score, its id, best p score, its id; ids are exact in fp32 for
+    V < 2**24); info: [B, 4] int32 (stop, greedy next token or -1, greedy flag, rejected flag);
+    logprob: [B, K]; alpha_part: [B, K, S2].
+    """
+    b = tl.program_id(0)
+    split = tl.program_id(1)
+    n_b, g, scale = _row_setup(draft_tokens_ptr, num_drafts_ptr, greedy_ptr, b, K, inv_t,
+                               HAS_COUNTS, HAS_MASK, ALL_GREEDY, KP2)
+    seed = tl.load(seeds_ptr + b)
+    off = tl.load(offsets_ptr + b)
+
+    js = tl.arange(0, JP2)
+    ss = tl.arange(0, SP2)
+    jmask = js < K + 1
+    smask = ss < S
+    pair = b.to(tl.int64) * (K + 1) + js
+    st_off = (pair[:, None] * S + ss[None, :]) * 4
+    m2 = jmask[:, None] & smask[None, :]
+    lt, mt = _combine_lse(tl.load(stats_ptr + st_off, mask=m2, other=float("-inf")),
+                          tl.load(stats_ptr + st_off + 1, mask=m2, other=0.0), 1)
+    ld, _ = _combine_lse(tl.load(stats_ptr + st_off + 2, mask=m2, other=float("-inf")),
+                         tl.load(stats_ptr + st_off + 3, mask=m2, other=0.0), 1)
+    # greedy arg-max per position: first split holding the row maximum, then its partial arg-max
+    mpart = tl.load(stats_ptr + st_off, mask=m2, other=float("-inf"))
+    first_split = tl.min(tl.where((mpart == mt[:, None]) & m2, ss[None, :], SP2), axis=1)
+    am = tl.load(argmax_ptr + pair * S + first_split, mask=jmask & (first_split < S), other=V)
+
+    draft_mask = js < K
+    x = tl.load(draft_tokens_ptr + b.to(tl.int64) * K + js, mask=draft_mask, other=0)
+    xs = tl.minimum(tl.maximum(x, 0), V - 1)
+    real = js < n_b
+    t_x = tl.load(target_ptr + pair * V + xs, mask=real, other=0.0).to(tl.float32) * scale
+    d_x = tl.load(draft_ptr + (b.to(tl.int64) * K + tl.minimum(js, K - 1)) * V + xs,
+                  mask=real, other=0.0).to(tl.float32) * scale
+    lp = t_x - lt
+    lq = d_x - ld
+    key_a, key_b = stream_keys_tl(seed, off + js)
+    u = uniform_from_keys_tl(key_a, key_b, tl.full([JP2], 0xFFFFFFFF, tl.uint32))
+    acc_s = (lq > float("-inf")) & (tl.log(u) + lq <= lp)
+    acc_g = x == am
+    acc = real & tl.where(g != 0, acc_g, acc_s)
+    stop = tl.min(tl.where(jmask & (js <= n_b) & (~acc), js, JP2), axis=0)
+    at_stop = js == stop
+    lt_stop = tl.sum(tl.where(at_stop, lt, 0.0), axis=0)
+    ld_stop = tl.sum(tl.where(at_stop, ld, 0.0), axis=0)
+    am_stop = tl.sum(tl.where(at_stop, am, 0), axis=0)
+    rejected = stop < n_b
+
+    if COMPUTE_SCORES:
+        if split == 0:
+            tl.store(logprob_ptr + b.to(tl.int64) * K + js, tl.where(real, lp, float("-inf")), mask=draft_mask)
+
+    # exponential race over this program's chunk of the stop row (sampled rows only)
+    lo = split * chunk
+    hi = tl.where(g == 0, tl.minimum(lo + chunk, V), lo)
+    t_base = target_ptr + (b.to(tl.int64) * (K + 1) + stop) * V
+    d_base = draft_ptr + (b.to(tl.int64) * K + tl.minimum(stop, K - 1)) * V
+    rk_a = tl.sum(tl.where(at_stop, key_a, 0), axis=0)  # keys of position `stop` (one RNG call per row)
+    rk_b = tl.sum(tl.where(at_stop, key_b, 0), axis=0)
+    v_d = tl.where(rejected, V, 0)
+    best_r = float("-inf")
+    idx_r = V
+    best_p = float("-inf")
+    idx_p = V
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inb = offs < V
+        t = tl.load(t_base + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale
+        d = tl.load(d_base + offs, mask=offs < v_d, other=float("-inf")).to(tl.float32) * scale
+        best_r, idx_r, best_p, idx_p = _race_tile(t, d, lt_stop, ld_stop, rejected, rk_a, rk_b, offs,
+                                                  best_r, idx_r, best_p, idx_p, V)
+    out = (b.to(tl.int64) * S2 + split) * 4
+    tl.store(race_ptr + out, best_r)
+    tl.store(race_ptr + out + 1, idx_r.to(tl.float32))
+    tl.store(race_ptr + out + 2, best_p)
+    tl.store(race_ptr + out + 3, idx_p.to(tl.float32))
+    if split == 0:
+        tl.store(info_ptr + b.to(tl.int64) * 4, stop)
+        tl.store(info_ptr + b.to(tl.int64) * 4 + 1, tl.where(am_stop < V, am_stop, -1))
+        tl.store(info_ptr + b.to(tl.int64) * 4 + 2, g)
+        tl.store(info_ptr + b.to(tl.int64) * 4 + 3, rejected.to(tl.int32))
+
+    if COMPUTE_SCORES:
+        # alpha_j = sum_x min(p_j, q_j) for every position j < K (partial over this chunk)
+        for jj in range(0, K):
+            sel = js == jj
+            lt_j = tl.sum(tl.where(sel, lt, 0.0), axis=0)
+            ld_j = tl.sum(tl.where(sel, ld, 0.0), axis=0)
+            tb = target_ptr + (b.to(tl.int64) * (K + 1) + jj) * V
+            db = draft_ptr + (b.to(tl.int64) * K + jj) * V
+            a = 0.0
+            for start in range(lo, tl.minimum(lo + chunk, V), BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                inb = offs < V
+                t = tl.load(tb + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale
+                d = tl.load(db + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale
+                a += tl.sum(tl.exp(tl.minimum(t - lt_j, d - ld_j)), axis=0)
+            tl.store(alpha_part_ptr + (b.to(tl.int64) * K + jj) * S2 + split, a)
+
+
+@triton.jit
+def _finalize_kernel(draft_tokens_ptr, race_ptr, info_ptr, tokens_ptr, num_accepted_ptr, alpha_part_ptr, alpha_ptr,
+                     V, K, S2, COMPUTE_SCORES: tl.constexpr, JP2: tl.constexpr, SP2: tl.constexpr):
+    """Combine the race winners of a row (ties to the lowest id) and write tokens / num_accepted / alpha."""
+    b = tl.program_id(0)
+    ss = tl.arange(0, SP2)
+    smask = ss < S2
+    base = (b.to(tl.int64) * S2 + ss) * 4
+    r = tl.load(race_ptr + base, mask=smask, other=float("-inf"))
+    ri = tl.load(race_ptr + base + 1, mask=smask, other=0.0).to(tl.int32)
+    p = tl.load(race_ptr + base + 2, mask=smask, other=float("-inf"))
+    pi = tl.load(race_ptr + base + 3, mask=smask, other=0.0).to(tl.int32)
+    best_r = tl.max(r, axis=0)
+    win_r = tl.min(tl.where(smask & (r == best_r) & (r > float("-inf")), ri, V), axis=0)
+    best_p = tl.max(p, axis=0)
+    win_p = tl.min(tl.where(smask & (p == best_p) & (p > float("-inf")), pi, V), axis=0)
+    sampled = tl.where(win_r < V, win_r, win_p)
+    sampled = tl.where(sampled < V, sampled, -1)
+
+    stop = tl.load(info_ptr + b.to(tl.int64) * 4)
+    greedy_next = tl.load(info_ptr + b.to(tl.int64) * 4 + 1)
+    g = tl.load(info_ptr + b.to(tl.int64) * 4 + 2)
+    nxt = tl.where(g != 0, greedy_next, sampled)
+
+    js = tl.arange(0, JP2)
+    x = tl.load(draft_tokens_ptr + b.to(tl.int64) * K + js, mask=js < K, other=-1)
+    tok = tl.where(js < stop, x, tl.where(js == stop, nxt, -1)).to(tl.int64)
+    tl.store(tokens_ptr + b.to(tl.int64) * (K + 1) + js, tok, mask=js < K + 1)
+    tl.store(num_accepted_ptr + b, stop.to(tl.int64))
+    if COMPUTE_SCORES:
+        for jj in range(0, K):
+            a = tl.sum(tl.load(alpha_part_ptr + (b.to(tl.int64) * K + jj) * S2 + ss, mask=smask, other=0.0), axis=0)
+            tl.store(alpha_ptr + b.to(tl.int64) * K + jj, a)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# "seq" strategy: one program per row, positions in order, early exit at the first rejection
+
+
+@triton.jit
+def _seq_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy_ptr, seeds_ptr, offsets_ptr,
+                tokens_ptr, num_accepted_ptr, inv_t, V, K,
+                HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, ALL_GREEDY: tl.constexpr, KP2: tl.constexpr,
+                JP2: tl.constexpr, BLOCK: tl.constexpr):
+    """Whole row in one program: reads positions 0..stop only (plus the stop row again for the race)."""
+    b = tl.program_id(0)
+    n_b, g, scale = _row_setup(draft_tokens_ptr, num_drafts_ptr, greedy_ptr, b, K, inv_t,
+                               HAS_COUNTS, HAS_MASK, ALL_GREEDY, KP2)
+    seed = tl.load(seeds_ptr + b)
+    off = tl.load(offsets_ptr + b)
+    js = tl.arange(0, JP2)
+    key_a, key_b = stream_keys_tl(seed, off + js)  # all positions at once
+    log_u_all = tl.log(uniform_from_keys_tl(key_a, key_b, tl.full([JP2], 0xFFFFFFFF, tl.uint32)))
+    going = n_b * 0 + 1
+    stop = n_b
+    lt_stop = 0.0
+    ld_stop = 0.0
+    am_stop = V
+    for j in range(0, K + 1):
+        # statistics of position j: needed while going, for the drafts, and for a greedy row's last token
+        need = (going != 0) & ((j < n_b) | (g != 0))
+        need_d = (j < n_b) & (g == 0)
+        hi = tl.where(need, V, 0)
+        v_d = tl.where(need_d, V, 0)
+        t_base = target_ptr + (b.to(tl.int64) * (K + 1) + j) * V
+        d_base = draft_ptr + (b.to(tl.int64) * K + tl.minimum(j, K - 1)) * V
+        m_t = float("-inf")
+        s_t = 0.0
+        m_d = float("-inf")
+        s_d = 0.0
+        am_v = float("-inf")
+        am_i = V
+        for start in range(0, hi, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            inb = offs < V
+            t = tl.load(t_base + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale
+            d = tl.load(d_base + offs, mask=offs < v_d, other=float("-inf")).to(tl.float32) * scale
+            m_t, s_t, m_d, s_d = _lse_update2(m_t, s_t, t, m_d, s_d, d)
+            if g != 0:
+                am_v, am_i = _argmax_update(am_v, am_i, t, offs, V)
+        safe_t = tl.where(s_t > 0.0, s_t, 1.0)
+        safe_d = tl.where(s_d > 0.0, s_d, 1.0)
+        lt = tl.where(s_t > 0.0, m_t + tl.log(safe_t), float("-inf"))
+        ld = tl.where(s_d > 0.0, m_d + tl.log(safe_d), float("-inf"))
+        real = (going != 0) & (j < n_b)
+        x = tl.load(draft_tokens_ptr + b.to(tl.int64) * K + tl.minimum(j, K - 1))
+        xs = tl.minimum(tl.maximum(x, 0), V - 1)
+        t_x = tl.load(t_base + xs, mask=real, other=0.0).to(tl.float32) * scale
+        d_x = tl.load(d_base + xs, mask=real, other=0.0).to(tl.float32) * scale
+        lp = t_x - lt
+        lq = d_x - ld
+        log_u = tl.sum(tl.where(js == j, log_u_all, 0.0), axis=0)
+        acc_s = (lq > float("-inf")) & (log_u + lq <= lp)
+        acc = real & tl.where(g != 0, x == am_i, acc_s)
+        now = (going != 0) & (~acc)
+        stop = tl.where(now, j, stop)
+        lt_stop = tl.where(now, lt, lt_stop)
+        ld_stop = tl.where(now, ld, ld_stop)
+        am_stop = tl.where(now, am_i, am_stop)
+        going = tl.where(acc, going, 0)
+
+    rejected = stop < n_b
+    hi = tl.where(g == 0, V, 0)
+    t_base = target_ptr + (b.to(tl.int64) * (K + 1) + stop) * V
+    d_base = draft_ptr + (b.to(tl.int64) * K + tl.minimum(stop, K - 1)) * V
+    rk_a = tl.sum(tl.where(js == stop, key_a, 0), axis=0)  # keys of position `stop` (one RNG call per row)
+    rk_b = tl.sum(tl.where(js == stop, key_b, 0), axis=0)
+    v_d = tl.where(rejected, V, 0)
+    best_r = float("-inf")
+    idx_r = V
+    best_p = float("-inf")
+    idx_p = V
+    for start in range(0, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inb = offs < V
+        t = tl.load(t_base + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale
+        d = tl.load(d_base + offs, mask=offs < v_d, other=float("-inf")).to(tl.float32) * scale
+        best_r, idx_r, best_p, idx_p = _race_tile(t, d, lt_stop, ld_stop, rejected, rk_a, rk_b, offs,
+                                                  best_r, idx_r, best_p, idx_p, V)
+    sampled = tl.where(idx_r < V, idx_r, idx_p)
+    nxt = tl.where(g != 0, am_stop, sampled)
+    nxt = tl.where(nxt < V, nxt, -1)
+    xv = tl.load(draft_tokens_ptr + b.to(tl.int64) * K + js, mask=js < K, other=-1)
+    tok = tl.where(js < stop, xv, tl.where(js == stop, nxt, -1)).to(tl.int64)
+    tl.store(tokens_ptr + b.to(tl.int64) * (K + 1) + js, tok, mask=js < K + 1)
+    tl.store(num_accepted_ptr + b, stop.to(tl.int64))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launcher
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def _sp2(splits: int) -> int:
+    """Width of the combine tiles: the fixed maximum on the GPU (one compiled variant), tight when interpreted."""
+    return triton.next_power_of_2(splits) if _INTERPRET else _MAX_SPLITS
+
+
+def _split_plan(vocab: int, block: int, rows: int, target_programs: int, max_splits: int | None) -> tuple[int, int]:
+    """(chunk, splits): vocabulary chunk per program (a multiple of ``block``) and the number of chunks."""
+    tiles = triton.cdiv(vocab, block)
+    splits = max(1, min(tiles, triton.cdiv(target_programs, rows)))
+    if max_splits is not None:
+        splits = max(1, min(splits, max_splits))
+    chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block
+    return chunk, triton.cdiv(vocab, chunk)
+
+
+# At most this many vocabulary chunks per row; on the GPU the combine tiles are this wide (fewer kernel variants).
+_MAX_SPLITS = 256
+
+# Batches at least this large use the one-launch early-exit strategy (measured crossover, see NOTES_rejection.md).
+SEQ_MIN_BATCH = 64
+
+
+def rejection_sample_triton(
+    target_logits: torch.Tensor,
+    draft_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+    temperature: float,
+    greedy_mask: torch.Tensor | None = None,
+    num_draft_tokens: torch.Tensor | None = None,
+    compute_scores: bool = False,
+    *,
+    strategy: str = "auto",
+    block_v: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Fused rejection sampling from logits; same contract and results as ``rejection_sample_reference``.
+
+    Args:
+        target_logits: [B, K+1, V] fp32/bf16/fp16 verifier logits (K draft positions + bonus).
+        draft_logits: [B, K, V] logits the drafts were sampled from.
+        draft_tokens: [B, K] int64 draft ids, ``-1`` ends a row.
+        seeds, offsets: [B] int64 keys of the counter-based random stream.
+        temperature: T >= 0 (0 = greedy for every row).
+        greedy_mask: optional [B] bool, rows decoded greedily although T > 0.
+        num_draft_tokens: optional [B] int64 per-row draft counts (<= K).
+        compute_scores: also return [B, K] fp32 ``log p(draft)`` (-inf where no draft) and
+            ``alpha = sum_x min(p, q)`` (at T = 1 for greedy rows); forces the "split" strategy and one more
+            read of the logits.
+        strategy: "auto" (``"seq"`` for B >= SEQ_MIN_BATCH without scores, else ``"split"``), "split" or "seq".
+        block_v, num_splits, num_warps: tuning overrides (vocabulary tile, maximum vocabulary chunks per row,
+            warps per program); results do not depend on them.
+
+    Returns:
+        tokens [B, K+1] int64, num_accepted [B] int64, draft_logprob, alpha ([B, K] fp32 or None). A row whose
+        race has no finite candidate (NaN / all -inf logits) gets ``-1`` at its stop position, never an id >= V.
+    """
+    if strategy not in ("auto", "split", "seq"):
+        raise ValueError(f"strategy must be 'auto', 'split' or 'seq', got {strategy!r}")
+    batch, num_positions, vocab = target_logits.shape
+    num_drafts = num_positions - 1
+    device = target_logits.device
+    target = target_logits.contiguous()
+    draft = draft_logits.contiguous()
+    tokens_in = draft_tokens.to(torch.int64).contiguous()
+    seeds = seeds.to(torch.int64).contiguous()
+    offsets = offsets.to(torch.int64).contiguous()
+    all_greedy = temperature == 0
+    inv_t = 1.0 / temperature if temperature > 0 else 1.0
+    has_mask = greedy_mask is not None and not all_greedy
+    mask_arg = greedy_mask.contiguous() if has_mask else seeds
+    has_counts = num_draft_tokens is not None
+    counts_arg = num_draft_tokens.to(torch.int64).contiguous() if has_counts else seeds
+    kp2 = triton.next_power_of_2(num_drafts)
+    jp2 = triton.next_power_of_2(num_drafts + 1)
+
+    tokens = torch.empty((batch, num_positions), dtype=torch.int64, device=device)
+    num_accepted = torch.empty((batch,), dtype=torch.int64, device=device)
+    if vocab >= 2**24:
+        raise ValueError(f"vocabulary size {vocab} >= 2**24 is not supported by the Triton rejection sampler")
+    if batch == 0:
+        empty = torch.empty((0, num_drafts), dtype=torch.float32, device=device)
+        return tokens, num_accepted, (empty if compute_scores else None), (empty if compute_scores else None)
+    sms = _sm_count(device)
+    if strategy == "auto":
+        strategy = "seq" if (batch >= SEQ_MIN_BATCH and not compute_scores) else "split"
+    flags = dict(HAS_COUNTS=has_counts, HAS_MASK=has_mask, ALL_GREEDY=all_greedy)
+
+    if strategy == "seq":
+        block = block_v or (min(1024, triton.next_power_of_2(vocab)) if _INTERPRET else 4096)
+        _seq_kernel[(batch,)](
+            target, draft, tokens_in, counts_arg, mask_arg, seeds, offsets, tokens, num_accepted,
+            inv_t, vocab, num_drafts, KP2=kp2, JP2=jp2, BLOCK=block, num_warps=num_warps or 8, **flags,
+        )
+        return tokens, num_accepted, None, None
+
+    pairs = batch * num_positions
+    if block_v is not None:
+        block = block_v
+    elif _INTERPRET:
+        block = min(1024, triton.next_power_of_2(vocab))
+    else:
+        block = 4096 if pairs * triton.cdiv(vocab, 4096) >= 4 * sms else 1024
+    warps = num_warps or (8 if block >= 4096 else 4)
+    max_splits = num_splits if num_splits is not None else (2 if _INTERPRET else _MAX_SPLITS)
+    max_splits = min(max_splits, _MAX_SPLITS)
+    chunk, splits = _split_plan(vocab, block, pairs, 4 * sms, max_splits)
+    chunk2, splits2 = _split_plan(vocab, block, batch, 4 * sms, max_splits)
+    stats = torch.empty((pairs, splits, 4), dtype=torch.float32, device=device)
+    argmax = torch.empty((pairs, splits), dtype=torch.int32, device=device)
+    race = torch.empty((batch, splits2, 4), dtype=torch.float32, device=device)
+    info = torch.empty((batch, 4), dtype=torch.int32, device=device)
+    if compute_scores:
+        draft_logprob = torch.empty((batch, num_drafts), dtype=torch.float32, device=device)
+        alpha = torch.empty((batch, num_drafts), dtype=torch.float32, device=device)
+        alpha_part = torch.empty((batch, num_drafts, splits2), dtype=torch.float32, device=device)
+    else:
+        draft_logprob = alpha = alpha_part = stats  # unused placeholders
+    _stats_kernel[(pairs, splits)](
+        target, draft, tokens_in, counts_arg, mask_arg, stats, argmax, inv_t, vocab, num_drafts, chunk, splits,
+        COMPUTE_SCORES=compute_scores, KP2=kp2, BLOCK=block, num_warps=warps, **flags,
+    )
+    _race_kernel[(batch, splits2)](
+        target, draft, tokens_in, counts_arg, mask_arg, seeds, offsets, stats, argmax, race, info, draft_logprob,
+        alpha_part, inv_t, vocab, num_drafts, splits, chunk2, splits2,
+        COMPUTE_SCORES=compute_scores, KP2=kp2, JP2=jp2, SP2=_sp2(splits), BLOCK=block,
+        num_warps=warps, **flags,
+    )
+    _finalize_kernel[(batch,)](
+        tokens_in, race, info, tokens, num_accepted, alpha_part, alpha, vocab, num_drafts, splits2,
+        COMPUTE_SCORES=compute_scores, JP2=jp2, SP2=_sp2(splits2), num_warps=1,
+    )
+    if not compute_scores:
+        return tokens, num_accepted, None, None
+    return tokens, num_accepted, draft_logprob, alpha
