@@ -4,6 +4,7 @@
 and ``specdec.divergence`` are the fused kernels behind it and behind the fairness metrics.
 """
 
+from specdec import fairness, finetune, losses
 from specdec.divergences import (
     DivergenceOutput,
     PerTaskDivergence,
@@ -11,13 +12,29 @@ from specdec.divergences import (
     divergence_loss,
     fused_linear_divergence_loss,
 )
+from specdec.fairness import FairnessReport, TaskData, TaskFairness, evaluate, unfairness
+from specdec.finetune import CheckpointError, FinetuneResult, finetune_drafter
 from specdec.generate import GenerateOutput, SpecDecodeStats, generate
+from specdec.losses import scdf_loss, scdf_weights
 from specdec.metrics import accepted_count_distribution, expected_tokens_per_call, speedup
 from specdec.sampling import RejectionSampleOutput, filter_logits, rejection_sample
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
+    "FairnessReport",
+    "FinetuneResult",
+    "TaskData",
+    "TaskFairness",
+    "evaluate",
+    "fairness",
+    "finetune",
+    "finetune_drafter",
+    "losses",
+    "scdf_loss",
+    "scdf_weights",
+    "unfairness",
     "DivergenceOutput",
     "PerTaskDivergence",
     "divergence",
