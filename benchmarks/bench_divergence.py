@@ -7,7 +7,10 @@ extra columns (inputs_gib, gbps = bytes of the inputs read once / median time).
 ``peak_mem_gib`` is the peak of ``torch.cuda.max_memory_allocated`` during one call *minus* the memory allocated
 before it (inputs excluded), i.e. the extra memory the op needs.
 
-Usage: ``python benchmarks/bench_divergence.py [--quick] [--sweep] [--out PATH]``.
+``specdec_v1`` is the first version's kernel (one program per row, ``set_config(split=0)``), timed in the same
+process for comparison. ``--sweep`` first times launch settings at the target shape and keeps the best.
+
+Usage: ``python benchmarks/bench_divergence.py [--quick] [--sweep] [--shapes NxV,...] [--no-fused] [--out PATH]``.
 """
 
 from __future__ import annotations
@@ -79,6 +82,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="sweep Triton launch settings first, keep the best")
     parser.add_argument("--out", default=None)
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--shapes", default=None, help="comma-separated NxV list, e.g. 16384x151936")
+    parser.add_argument("--no-fused", action="store_true", help="skip the fused linear benchmark")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
     gpu = torch.cuda.get_device_name().replace(" ", "_")
@@ -125,40 +130,70 @@ def main() -> None:
         record(kernel, provider, n, v, pass_, timing, mem, inputs_bytes)
 
     if args.sweep:
+        # launch settings at the target shape, forward (CE/KL/TV/alpha) and loss (CE + gradient), specdec only;
+        # the first entry is the one-program-per-row kernel of the first version, for comparison on this card
         n, v = (1024, 32000) if args.quick else (16384, 151936)
         g = torch.Generator(device="cuda").manual_seed(0)
         ver = (torch.randn(n, v, device="cuda", generator=g) * 2).to(dtype)
         dra = (torch.randn(n, v, device="cuda", generator=g) * 2).to(dtype)
+        grad = torch.empty_like(dra)
+        floor_fwd = 2 * ver.numel() * 2
+        configs = [dict(split=0)]
+        configs += [dict(split=1, spin=1, block=b, num_warps=w, chunk_tiles=t, chunk_programs_per_sm=pps)
+                    for b, w in ((2048, 4), (4096, 8), (1024, 4)) for t in (2, 4, 8) for pps in (0, 2)
+                    if b * t <= 16384]
+        configs += [dict(split=1, spin=0, chunk_tiles=4)]
         best = None
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        grid = [(2048, 4), (4096, 8), (4096, 4), (8192, 16)]
-        for block, warps in grid:
-            for programs in (0, sms // 2, (3 * sms) // 4, sms, 2 * sms):
-                for evict in (0, 1):
-                    pps = programs
-                    kdiv.set_config(block=block, num_warps=warps, programs=programs, evict_last=evict)
-                    fn = lambda: sd.divergence(ver, dra, check_inputs=False)  # noqa: B023
-                    try:
-                        med = bench(fn, rep=50)[0]
-                    except Exception as exc:  # noqa: BLE001 - a config that fails to compile is skipped
-                        print("config failed", block, warps, pps, exc, flush=True)
-                        continue
-                    print(f"sweep block={block} warps={warps} programs={pps} evict_last={evict}: {med:.3f} ms "
-                          f"({2 * ver.numel() * 2 / (med * 1e-3) / 1e9:.0f} GB/s)", flush=True)
-                    if best is None or med < best[0]:
-                        best = (med, block, warps, pps, evict)
-        kdiv.set_config(block=best[1], num_warps=best[2], programs=best[3], evict_last=best[4])
-        print(f"best config: block={best[1]} num_warps={best[2]} programs={best[3]} evict_last={best[4]} "
-              f"{best[0]:.3f} ms", flush=True)
-        ver = dra = None
+        reference = None
+        for cfg in configs:
+            kdiv.set_config()
+            kdiv.set_config(**cfg)
+            fwd = lambda: sd.divergence(ver, dra, check_inputs=False)  # noqa: B023, E731
+            loss = lambda: kdiv.launch_divergence(ver, dra, 1.0, compute_tv=False, grad_out=grad)  # noqa: B023, E731
+            try:
+                fwd(), loss()  # compile; the second call runs on the grid sized from the compiled kernel
+                out = fwd()
+                t_fwd = bench(fwd, rep=60)[0]
+                t_loss = bench(loss, rep=60)[0]
+            except Exception as exc:  # noqa: BLE001 - a config that fails to compile is skipped
+                print("config failed", cfg, repr(exc)[:300], flush=True)
+                continue
+            vals = torch.stack([out.cross_entropy, out.kl, out.tv, out.alpha])
+            if reference is None:
+                reference = vals
+            err = float((vals - reference).abs().max())
+            ok = bool(torch.isfinite(vals).all()) and err < 1e-4
+            print(f"sweep {cfg}: fwd {t_fwd:.3f} ms ({100 * floor_fwd / (t_fwd * 1e-3) / 1e9 / copy_gbps:.0f}% copy) "
+                  f"loss-kernel {t_loss:.3f} ms  max|diff| vs first {err:.2e} {'ok' if ok else 'WRONG'}", flush=True)
+            if ok and (best is None or t_fwd + t_loss < best[0]):
+                best = (t_fwd + t_loss, cfg)
+        kdiv.set_config()
+        if best is not None:
+            kdiv.set_config(**best[1])
+            print(f"best config: {best[1]} fwd+loss kernels {best[0]:.3f} ms", flush=True)
+        ver = dra = grad = reference = None
+        gc.collect()
+        torch.cuda.empty_cache()
+
     cfg = dict(kdiv._CONFIG)
-    versions += f";config=block{cfg['block']}_w{cfg['num_warps']}_programs{cfg['programs']}_evict{cfg['evict_last']}"
+    versions += (f";config=split{cfg['split']}_spin{cfg['spin']}_block{cfg['block']}_w{cfg['num_warps']}"
+                 f"_tiles{cfg['chunk_tiles']}_pps{cfg['chunk_programs_per_sm']}")
+
+    def with_config(overrides, fn, *fn_args):
+        """Run fn(*fn_args) under other launch settings (the first version's kernel: ``split=0``), then restore."""
+        previous = kdiv.set_config(**overrides)
+        try:
+            fn(*fn_args)
+        finally:
+            kdiv.set_config(**previous)
 
     compiled_fwd = None if args.no_compile else torch.compile(eager_forward, dynamic=True)
     compiled_loss = None if args.no_compile else torch.compile(eager_loss, dynamic=True)
     liger = LigerKLDIVLoss(reduction="batchmean", log_target=True) if LigerKLDIVLoss is not None else None
 
-    shapes = [(1024, 32000)] if args.quick else [(n, v) for v in (32000, 151936) for n in (1024, 4096, 16384)]
+    shapes = [(1024, 32000)] if args.quick else [(16384, 32000), (1024, 151936), (4096, 151936), (16384, 151936)]
+    if args.shapes:
+        shapes = [tuple(int(x) for x in item.split("x")) for item in args.shapes.split(",")]
     for n, v in shapes:
         g = torch.Generator(device="cuda").manual_seed(n + v)
         ver = (torch.randn(n, v, device="cuda", generator=g) * 2).to(dtype)
@@ -168,6 +203,8 @@ def main() -> None:
         # ---- forward: CE, KL, TV (and alpha) per token ----
         safe("divergence", "specdec", n, v, "fwd", lambda: sd.divergence(ver, dra, check_inputs=False),  # noqa: B023
              inputs_bytes, rep)
+        with_config(dict(split=0), safe, "divergence", "specdec_v1", n, v, "fwd",
+                    lambda: sd.divergence(ver, dra, check_inputs=False), inputs_bytes, rep)  # noqa: B023
         safe("divergence", "eager", n, v, "fwd", lambda: eager_forward(ver, dra), inputs_bytes, rep)  # noqa: B023
         if compiled_fwd is not None:
             safe("divergence", "compile", n, v, "fwd", lambda: compiled_fwd(ver, dra), inputs_bytes, rep)  # noqa: B023
@@ -196,6 +233,7 @@ def main() -> None:
             liger(torch.log_softmax(d_req.float(), -1), torch.log_softmax(ver.float(), -1)).backward()  # noqa: B023
 
         safe("ce_loss", "specdec", n, v, "fwd+bwd", run_specdec, inputs_bytes, rep)
+        with_config(dict(split=0), safe, "ce_loss", "specdec_v1", n, v, "fwd+bwd", run_specdec, inputs_bytes, rep)
         safe("ce_loss", "eager", n, v, "fwd+bwd", run_eager, inputs_bytes, rep)
         if compiled_loss is not None:
             safe("ce_loss", "compile", n, v, "fwd+bwd", run_compiled, inputs_bytes, rep)
@@ -206,7 +244,13 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     # ---- fused linear: LM head + loss, forward + backward ----
-    n, v, h = (1024, 32000, 256) if args.quick else (16384, 151936, 896)
+    if not args.no_fused:
+        n, v, h = (1024, 32000, 256) if args.quick else (16384, 151936, 896)
+        run_fused_linear(n, v, h, dtype, safe, liger)
+    write_summary(rows, out_path, copy_gbps)
+
+
+def run_fused_linear(n, v, h, dtype, safe, liger) -> None:
     g = torch.Generator(device="cuda").manual_seed(7)
     hidden = (torch.randn(n, h, device="cuda", generator=g)).to(dtype).requires_grad_()
     weight = (torch.randn(v, h, device="cuda", generator=g) / math.sqrt(h)).to(dtype).requires_grad_()
@@ -231,6 +275,8 @@ def main() -> None:
 
         safe("fused_linear", "liger", n, v, "fwd+bwd", liger_fused, inputs_bytes, 300)
 
+
+def write_summary(rows: list[dict], out_path: str, copy_gbps: float) -> None:
     with open(out_path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -238,7 +284,7 @@ def main() -> None:
     # ---- summary table: ratios against specdec ----
     print(f"\nwrote {out_path}; copy {copy_gbps:.0f} GB/s; {time.strftime('%Y-%m-%d %H:%M')}")
     print(f"{'kernel':13s} {'N':>6s} {'V':>6s} {'pass':8s} {'specdec ms':>10s} {'%copy':>6s} "
-          f"{'x eager':>8s} {'x compile':>9s} {'x liger':>8s} {'mem/eager':>9s} {'mem/liger':>9s}")
+          f"{'x eager':>8s} {'x compile':>9s} {'x liger':>8s} {'x v1':>6s} {'mem/eager':>9s} {'mem/liger':>9s}")
     keyed = {(r["kernel"], r["provider"], r["N"], r["V"]): r for r in rows}
     for r in rows:
         if r["provider"] != "specdec":
@@ -253,7 +299,8 @@ def main() -> None:
         mem = lambda p, r=r: r["peak_mem_gib"] / other(p, "peak_mem_gib")  # noqa: E731
         pct = 100 * r["gbps"] / copy_gbps
         print(f"{r['kernel']:13s} {r['N']:6d} {r['V']:6d} {r['pass']:8s} {r['median_ms']:10.3f} {pct:6.1f} "
-              f"{ratio('eager'):8.1f} {ratio('compile'):9.1f} {ratio('liger'):8.1f} {mem('eager'):9.3f} "
+              f"{ratio('eager'):8.1f} {ratio('compile'):9.1f} {ratio('liger'):8.1f} {ratio('specdec_v1'):6.2f} "
+              f"{mem('eager'):9.3f} "
               f"{mem('liger'):9.3f}")
 
 

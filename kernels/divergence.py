@@ -162,20 +162,241 @@ def _divergence_kernel(
                     tl.store(g_row + cols, tl.zeros([BLOCK], dtype=grad_ptr.dtype.element_ty), mask=cols < vocab)
 
 
-# Launch configuration (default: best of the sweep on H100 and H200, NOTES_divergence.md); the benchmark
-# overrides it through `set_config` to sweep tile sizes and grid shapes.
+@triton.jit
+def _divergence_chunked_kernel(
+    v_ptr, d_ptr, stride_v, stride_d,
+    mask_ptr, task_ptr, weight_ptr,
+    ce_ptr, kl_ptr, tv_ptr, alpha_ptr, status_ptr,
+    grad_ptr, stride_g,
+    task_ce_ptr, task_kl_ptr, task_tv_ptr, task_alpha_ptr, task_count_ptr,
+    stats_ptr, part_ptr, count_ptr,
+    n_rows, vocab, n_groups, n_chunks, chunk_cols, scale2, grad_scale, max_spin,
+    HAS_MASK: tl.constexpr, HAS_TASKS: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    COMPUTE_TV: tl.constexpr, WRITE_GRAD: tl.constexpr, PHASE: tl.constexpr, BLOCK: tl.constexpr,
+    G_POW2: tl.constexpr,
+):
+    """Each row is split into ``n_chunks`` column chunks, one program per (row group, chunk).
+
+    PHASE 0: one launch; after pass 1 a program publishes its chunk statistics, bumps the row's counter and spins
+    until the row's other chunks have arrived (all programs must be co-resident: the host sizes the grid), then runs
+    pass 2 on its own chunk, still in L2. PHASE 1 / PHASE 2: the same work split over two launches (no spinning;
+    the interpreter and the fallback use it). TV/alpha partials are summed, in chunk order, by the last program of
+    the row to finish pass 2 (a second round on the same counter).
+    """
+    LN2: tl.constexpr = 0.6931471805599453
+    NEG_INF: tl.constexpr = float("-inf")
+    pid = tl.program_id(0)
+    group = pid // n_chunks
+    chunk = pid % n_chunks
+    c_start = chunk * chunk_cols
+    c_end = tl.minimum(c_start + chunk_cols, vocab)
+    n_ct = tl.cdiv(c_end - c_start, BLOCK)
+    offs = tl.arange(0, BLOCK)
+    goffs = tl.arange(0, G_POW2)
+    gmask = goffs < n_chunks
+    for row in range(group, n_rows, n_groups):
+        row64 = tl.cast(row, tl.int64)
+        v_row = v_ptr + row64 * stride_v
+        d_row = d_ptr + row64 * stride_d
+        slot64 = row64 * n_chunks + chunk
+        keep = True
+        if HAS_MASK:
+            keep = tl.load(mask_ptr + row64) != 0
+        if keep:
+            if PHASE != 2:
+                # ---- pass 1 on this chunk: online log-sum-exp and the entropy / KL pieces ----
+                mx = NEG_INF
+                my = NEG_INF
+                sx = 0.0
+                sy = 0.0
+                r = 0.0
+                e = 0.0
+                n_bad = 0
+                for start in range(c_start, c_end, BLOCK):
+                    cols = start + offs
+                    inb = cols < c_end
+                    x = tl.load(v_row + cols, mask=inb, other=NEG_INF)
+                    y = tl.load(d_row + cols, mask=inb, other=NEG_INF)
+                    x = x.to(tl.float32) * scale2
+                    y = y.to(tl.float32) * scale2
+                    mx_new = tl.maximum(mx, tl.max(x, 0))
+                    my_new = tl.maximum(my, tl.max(y, 0))
+                    mx_ref = tl.where(mx_new == NEG_INF, 0.0, mx_new)
+                    my_ref = tl.where(my_new == NEG_INF, 0.0, my_new)
+                    cx = tl.exp2(mx - mx_ref)
+                    cy = tl.exp2(my - my_ref)
+                    shift_x = tl.where(mx == NEG_INF, 0.0, mx - mx_ref)
+                    dx = x - mx_ref
+                    wx = tl.exp2(dx)
+                    wy = tl.exp2(y - my_ref)
+                    fx = x > NEG_INF
+                    fy = y > NEG_INF
+                    r = cx * (r + shift_x * sx) + tl.sum(tl.where(fx, wx * dx, 0.0), 0)
+                    e = cx * e + tl.sum(tl.where(fx & fy, wx * (x - y), 0.0), 0)
+                    n_bad += tl.sum((fx & (y == NEG_INF)).to(tl.int32), 0)
+                    sx = cx * sx + tl.sum(wx, 0)
+                    sy = cy * sy + tl.sum(wy, 0)
+                    mx = mx_new
+                    my = my_new
+                st = stats_ptr + slot64 * 8
+                tl.store(st + 0, mx)
+                tl.store(st + 1, sx)
+                tl.store(st + 2, my)
+                tl.store(st + 3, sy)
+                tl.store(st + 4, r)
+                tl.store(st + 5, e)
+                tl.store(st + 6, n_bad.to(tl.float32))
+                tl.debug_barrier()
+                tl.atomic_add(count_ptr + row64, 1, sem="release", scope="gpu")
+            if PHASE != 1:
+                timed_out = False
+                if PHASE == 0:
+                    # wait for the row's other chunks; count_ptr[n_rows] is a sticky abort flag: once one program
+                    # has given up (programs not co-resident), every later wait gives up at once
+                    arrived = tl.atomic_add(count_ptr + row64, 0, sem="acquire", scope="gpu")
+                    aborted = 0
+                    spins = 0
+                    while (arrived < n_chunks) & (spins < max_spin) & (aborted == 0):
+                        arrived = tl.atomic_add(count_ptr + row64, 0, sem="acquire", scope="gpu")
+                        aborted = tl.atomic_add(count_ptr + n_rows, 0, sem="relaxed", scope="gpu")
+                        spins += 1
+                    timed_out = arrived < n_chunks
+                    if timed_out:
+                        tl.atomic_xchg(count_ptr + n_rows, 1, sem="relaxed", scope="gpu")
+                # ---- combine the row's chunk statistics (every program of the row does the same sums) ----
+                sb = stats_ptr + (row64 * n_chunks + goffs) * 8
+                mx_c = tl.load(sb + 0, mask=gmask, other=NEG_INF, volatile=True)
+                sx_c = tl.load(sb + 1, mask=gmask, other=0.0, volatile=True)
+                my_c = tl.load(sb + 2, mask=gmask, other=NEG_INF, volatile=True)
+                sy_c = tl.load(sb + 3, mask=gmask, other=0.0, volatile=True)
+                r_c = tl.load(sb + 4, mask=gmask, other=0.0, volatile=True)
+                e_c = tl.load(sb + 5, mask=gmask, other=0.0, volatile=True)
+                nb_c = tl.load(sb + 6, mask=gmask, other=0.0, volatile=True)
+                mx = tl.max(mx_c, 0)
+                my = tl.max(my_c, 0)
+                mx = tl.where(mx == NEG_INF, 0.0, mx)
+                my = tl.where(my == NEG_INF, 0.0, my)
+                # chunks with nothing (sum 0: all -inf) drop out; NaN sums (NaN / +inf logits) propagate
+                live_x = sx_c != 0.0
+                live_y = sy_c != 0.0
+                f_x = tl.where(live_x, tl.exp2(mx_c - mx), 0.0)
+                f_y = tl.where(live_y, tl.exp2(my_c - my), 0.0)
+                sx = tl.sum(tl.where(live_x, f_x * sx_c, 0.0), 0)
+                sy = tl.sum(tl.where(live_y, f_y * sy_c, 0.0), 0)
+                r = tl.sum(tl.where(live_x, f_x * (r_c + (mx_c - mx) * sx_c), 0.0), 0)
+                e = tl.sum(tl.where(live_x, f_x * e_c, 0.0), 0)
+                n_bad = tl.sum(nb_c, 0)
+                status = tl.where(sx > 0.0, 0, 1) + tl.where(sy > 0.0, 0, 2)
+                log2_sx = tl.log2(sx)
+                log2_sy = tl.log2(sy)
+                lp = mx + log2_sx
+                lq = my + log2_sy
+                entropy = LN2 * (log2_sx - r / sx)
+                kl = LN2 * tl.maximum(e / sx - lp + lq, 0.0)
+                kl = tl.where(n_bad > 0.0, float("inf"), kl)
+                ce = entropy + kl
+                if PHASE == 0:
+                    # a spin that gave up (programs not co-resident): poison the row rather than hang
+                    status = tl.where(timed_out, 7, status)
+                    ce = tl.where(timed_out, float("nan"), ce)
+                if COMPUTE_TV:
+                    # ---- pass 2 on this chunk (reverse tile order: the tiles read last are the warmest) ----
+                    acc_abs = tl.zeros([BLOCK], dtype=tl.float32)
+                    acc_min = tl.zeros([BLOCK], dtype=tl.float32)
+                    for i in range(0, n_ct):
+                        cols = c_start + (n_ct - 1 - i) * BLOCK + offs
+                        inb = cols < c_end
+                        x = tl.load(v_row + cols, mask=inb, other=NEG_INF, eviction_policy="evict_first")
+                        y = tl.load(d_row + cols, mask=inb, other=NEG_INF, eviction_policy="evict_first")
+                        x = x.to(tl.float32) * scale2
+                        y = y.to(tl.float32) * scale2
+                        px = tl.exp2(x - lp)
+                        qy = tl.exp2(y - lq)
+                        acc_abs += tl.abs(px - qy)
+                        acc_min += tl.minimum(px, qy)
+                    pt = part_ptr + slot64 * 2
+                    tl.store(pt + 0, tl.sum(acc_abs, 0))
+                    tl.store(pt + 1, tl.sum(acc_min, 0))
+                    tl.debug_barrier()
+                    done = tl.atomic_add(count_ptr + row64, 1, sem="acq_rel", scope="gpu")
+                    if done == 2 * n_chunks - 1:
+                        # last program of the row: sum the partials in chunk order and write the row
+                        pb = part_ptr + (row64 * n_chunks + goffs) * 2
+                        abs_c = tl.load(pb + 0, mask=gmask, other=0.0, volatile=True)
+                        min_c = tl.load(pb + 1, mask=gmask, other=0.0, volatile=True)
+                        tv = tl.minimum(tl.maximum(0.5 * tl.sum(abs_c, 0), 0.0), 1.0)
+                        alpha = tl.minimum(tl.maximum(tl.sum(min_c, 0), 0.0), 1.0)
+                        tl.store(ce_ptr + row64, ce)
+                        tl.store(status_ptr + row64, status)
+                        tl.store(kl_ptr + row64, kl)
+                        tl.store(tv_ptr + row64, tv)
+                        tl.store(alpha_ptr + row64, alpha)
+                        if HAS_TASKS:
+                            task = tl.load(task_ptr + row64).to(tl.int64)
+                            if task >= 0:
+                                tl.atomic_add(task_ce_ptr + task, ce.to(tl.float64))
+                                tl.atomic_add(task_kl_ptr + task, kl.to(tl.float64))
+                                tl.atomic_add(task_tv_ptr + task, tv.to(tl.float64))
+                                tl.atomic_add(task_alpha_ptr + task, alpha.to(tl.float64))
+                                tl.atomic_add(task_count_ptr + task, 1)
+                else:
+                    if chunk == 0:
+                        tl.store(ce_ptr + row64, ce)
+                        tl.store(status_ptr + row64, status)
+                if WRITE_GRAD:
+                    # ---- pass 2': gradient (q - p) w / T of this chunk ----
+                    w = grad_scale
+                    if HAS_WEIGHTS:
+                        w = w * tl.load(weight_ptr + row64).to(tl.float32)
+                    g_row = grad_ptr + row64 * stride_g
+                    for i in range(0, n_ct):
+                        cols = c_start + (n_ct - 1 - i) * BLOCK + offs
+                        inb = cols < c_end
+                        x = tl.load(v_row + cols, mask=inb, other=NEG_INF, eviction_policy="evict_first")
+                        y = tl.load(d_row + cols, mask=inb, other=NEG_INF, eviction_policy="evict_first")
+                        x = x.to(tl.float32) * scale2
+                        y = y.to(tl.float32) * scale2
+                        g = (tl.exp2(y - lq) - tl.exp2(x - lp)) * w
+                        tl.store(g_row + cols, g.to(grad_ptr.dtype.element_ty), mask=inb,
+                                 eviction_policy="evict_first")
+        else:
+            if PHASE != 1:
+                if chunk == 0:
+                    tl.store(ce_ptr + row64, 0.0)
+                    tl.store(status_ptr + row64, 0)
+                    if COMPUTE_TV:
+                        tl.store(kl_ptr + row64, 0.0)
+                        tl.store(tv_ptr + row64, 0.0)
+                        tl.store(alpha_ptr + row64, 0.0)
+                if WRITE_GRAD:
+                    g_row = grad_ptr + row64 * stride_g
+                    for start in range(c_start, c_end, BLOCK):
+                        cols = start + offs
+                        tl.store(g_row + cols, tl.zeros([BLOCK], dtype=grad_ptr.dtype.element_ty), mask=cols < c_end)
+
+
+# Launch configuration (NOTES_divergence.md); the benchmark overrides it through `set_config` to sweep tile sizes,
+# chunk sizes and grid shapes.
 _DEFAULT_CONFIG: dict[str, int] = {"block": 2048, "num_warps": 4, "programs_per_sm": 0, "programs": 0,
-                                   "evict_last": 0, "interpret_block": 256}
+                                   "evict_last": 0, "interpret_block": 256,
+                                   "split": 0, "chunk_tiles": 8, "spin": 1, "chunk_programs_per_sm": 0,
+                                   "interpret_chunk_tiles": 2}
 _CONFIG: dict[str, int] = dict(_DEFAULT_CONFIG)
+MAX_SPIN = 1 << 20  # polls of a row counter (about a microsecond each) before a program gives up and poisons the row
 
 
 def set_config(**overrides: int | None) -> dict[str, int]:
     """Override the launch configuration; returns the previous one (pass it back to restore; no argument = reset).
 
-    Keys: ``block`` (vocabulary tile), ``num_warps``, ``programs_per_sm`` (CUDA: grid of that many programs per
-    multiprocessor with a grid-stride loop over rows; 0 = one program per row), ``programs`` (a fixed grid size,
-    any device; 0 = off), ``evict_last`` (1: pass-1 loads ask L2 to keep the row for pass 2),
-    ``interpret_block`` (tile under ``TRITON_INTERPRET=1``).
+    Keys: ``block`` (vocabulary tile), ``num_warps``, ``interpret_block`` (tile under ``TRITON_INTERPRET=1``),
+    ``split`` (0: one program per row, the default (fastest measured); 1: rows split into column chunks, one program
+    per (row, chunk): the experimental version 2 of NOTES_divergence.md),
+    ``chunk_tiles`` (tiles per chunk; ``interpret_chunk_tiles`` under the interpreter), ``spin`` (chunked path on
+    CUDA: 1 = one launch whose programs wait for the row's other chunks (a co-resident persistent grid), 0 = two
+    launches), ``chunk_programs_per_sm`` (cap on co-resident programs per multiprocessor for ``spin``; 0 = as many as
+    fit), ``programs`` (a fixed number of rows in flight: programs for ``split=0``, row groups for ``split=1``;
+    0 = off), ``programs_per_sm`` (``split=0`` only: grid of that many programs per multiprocessor), ``evict_last``
+    (``split=0`` only: pass-1 loads ask L2 to keep the row).
     """
     previous = dict(_CONFIG)
     if not overrides:
@@ -189,9 +410,13 @@ def set_config(**overrides: int | None) -> dict[str, int]:
     return previous
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _launch_params(n_rows: int, vocab: int, device: torch.device) -> tuple[int, int, int]:
     block = min(triton.next_power_of_2(vocab), _CONFIG["block"])
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if _interpreting():
         block = min(triton.next_power_of_2(vocab), _CONFIG["interpret_block"])  # small tiles: multi-tile paths run
     num_warps = max(1, min(_CONFIG["num_warps"], block // 256))
     programs = n_rows
@@ -201,6 +426,45 @@ def _launch_params(n_rows: int, vocab: int, device: torch.device) -> tuple[int, 
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         programs = min(n_rows, sms * _CONFIG["programs_per_sm"])
     return block, num_warps, max(programs, 1)
+
+
+def chunk_layout(vocab: int, block: int, chunk_tiles: int) -> tuple[int, int]:
+    """``(n_chunks, chunk_cols)``: about ``chunk_tiles`` tiles of ``block`` columns per chunk, balanced."""
+    n_tiles = triton.cdiv(vocab, block)
+    n_chunks = triton.cdiv(n_tiles, max(1, chunk_tiles))
+    tiles = triton.cdiv(n_tiles, n_chunks)
+    return triton.cdiv(n_tiles, tiles), tiles * block
+
+
+# (device index, num_warps, COMPUTE_TV, WRITE_GRAD, BLOCK) -> co-resident programs per multiprocessor, read off the
+# compiled kernel after its first launch (registers, shared memory); before that a bound that holds for any kernel.
+_RESIDENT: dict[tuple, int] = {}
+
+
+def _resident_per_sm(key: tuple, num_warps: int) -> int:
+    if key in _RESIDENT:
+        return _RESIDENT[key]
+    return max(1, 8 // num_warps)  # <= 255 registers a thread: at least 8 warps of any kernel fit on an SM
+
+
+def _record_residency(key: tuple, kernel, num_warps: int, device: torch.device) -> None:
+    try:
+        n_regs = int(kernel.n_regs)
+        shared = int(kernel.metadata.shared)
+    except Exception:  # noqa: BLE001 - an older/newer runtime without these fields keeps the safe bound
+        return
+    if n_regs <= 0:
+        return
+    props = torch.cuda.get_device_properties(device)
+    regs_sm = int(getattr(props, "regs_per_multiprocessor", 65536) or 65536)
+    threads_sm = int(getattr(props, "max_threads_per_multi_processor", 2048) or 2048)
+    smem_sm = int(getattr(props, "shared_memory_per_multiprocessor", 233472) or 233472)
+    per_warp = -(-n_regs * 32 // 256) * 256  # registers are allocated per warp in units of 256
+    by_regs = ((regs_sm // 4) // per_warp) // max(1, num_warps // 4) if num_warps >= 4 else regs_sm // (
+        per_warp * num_warps)
+    by_threads = threads_sm // (32 * num_warps)
+    by_smem = smem_sm // (shared + 1024)
+    _RESIDENT[key] = max(1, min(by_regs, by_threads, by_smem, 32))
 
 
 def _row_major(t: torch.Tensor) -> torch.Tensor:
@@ -243,18 +507,49 @@ def launch_divergence(
     dummy = ce
     block, num_warps, programs = _launch_params(n_rows, vocab, device)
     write_grad = grad_out is not None
-    _divergence_kernel[(programs,)](
+    common = (
         verifier_logits, drafter_logits, verifier_logits.stride(0), drafter_logits.stride(0),
         mask if mask is not None else dummy, task_ids if has_tasks else dummy,
         weights if weights is not None else dummy,
         ce, kl if compute_tv else dummy, tv if compute_tv else dummy, alpha if compute_tv else dummy, status,
         grad_out if write_grad else dummy, grad_out.stride(0) if write_grad else 0,
         *(sums if has_tasks else [dummy] * 4), count if has_tasks else dummy,
-        n_rows, vocab, programs, LOG2E / temperature, grad_scale / temperature,
-        HAS_MASK=mask is not None, HAS_TASKS=has_tasks, HAS_WEIGHTS=weights is not None,
-        COMPUTE_TV=compute_tv, WRITE_GRAD=write_grad, BLOCK=block, EVICT_LAST=bool(_CONFIG["evict_last"]),
-        num_warps=num_warps,
     )
+    flags = dict(HAS_MASK=mask is not None, HAS_TASKS=has_tasks, HAS_WEIGHTS=weights is not None,
+                 COMPUTE_TV=compute_tv, WRITE_GRAD=write_grad)
+    chunk_tiles = _CONFIG["interpret_chunk_tiles"] if _interpreting() else _CONFIG["chunk_tiles"]
+    n_chunks, chunk_cols = chunk_layout(vocab, block, chunk_tiles)
+    if not _CONFIG["split"]:
+        _divergence_kernel[(programs,)](
+            *common, n_rows, vocab, programs, LOG2E / temperature, grad_scale / temperature,
+            **flags, BLOCK=block, EVICT_LAST=bool(_CONFIG["evict_last"]), num_warps=num_warps,
+        )
+    else:
+        stats = torch.empty(n_rows * n_chunks * 8, dtype=torch.float32, device=device)
+        part = torch.empty(n_rows * n_chunks * 2, dtype=torch.float32, device=device) if compute_tv else stats
+        counter = torch.zeros(n_rows + 1, dtype=torch.int32, device=device)  # + the abort flag
+        groups = programs  # rows in flight: every row unless `programs` caps it
+        spin = bool(_CONFIG["spin"]) and device.type == "cuda" and not _interpreting()
+        key = (device.index, num_warps, compute_tv, write_grad, block)
+        if spin:
+            per_sm = _resident_per_sm(key, num_warps)
+            if _CONFIG["chunk_programs_per_sm"] > 0:
+                per_sm = min(per_sm, _CONFIG["chunk_programs_per_sm"])
+            resident = torch.cuda.get_device_properties(device).multi_processor_count * per_sm
+            groups = min(groups, resident // n_chunks)
+            spin = groups >= 1
+            groups = max(groups, 1)
+        tail = (stats, part, counter, n_rows, vocab, groups, n_chunks, chunk_cols, LOG2E / temperature,
+                grad_scale / temperature, MAX_SPIN)
+        meta = dict(**flags, BLOCK=block, G_POW2=triton.next_power_of_2(n_chunks), num_warps=num_warps)
+        grid = (groups * n_chunks,)
+        if spin:
+            kernel = _divergence_chunked_kernel[grid](*common, *tail, PHASE=0, **meta)
+            if key not in _RESIDENT and kernel is not None:
+                _record_residency(key, kernel, num_warps, device)
+        else:
+            _divergence_chunked_kernel[grid](*common, *tail, PHASE=1, **meta)
+            _divergence_chunked_kernel[grid](*common, *tail, PHASE=2, **meta)
     per_task = (*sums, count) if has_tasks else None
     return ce, kl, tv, alpha, status, per_task
 
@@ -325,5 +620,5 @@ def divergence_loss_triton(drafter_logits: torch.Tensor, verifier_logits: torch.
                                         reduction)
 
 
-__all__ = ["DivergenceLossFunction", "divergence_loss_triton", "divergence_triton", "launch_divergence",
-           "set_config", "LOG2E"]
+__all__ = ["DivergenceLossFunction", "chunk_layout", "divergence_loss_triton", "divergence_triton",
+           "launch_divergence", "set_config", "LOG2E"]

@@ -182,6 +182,114 @@ def test_fused_linear_gradients_match_autograd(dtype: torch.dtype) -> None:
     assert bool((h.grad[7] == 0).all())
 
 
+# ------------------------------------------------------------------------------- rows split into column chunks
+@pytest.fixture
+def small_chunks():
+    """Tiles of 32 columns and one or two tiles per chunk: many chunks per row even at small V (on the CPU)."""
+    def apply(**settings):
+        kdiv.set_config(**{"split": 1, **settings})
+
+    previous = dict(kdiv._CONFIG)
+    yield apply
+    kdiv.set_config(**previous)
+
+
+def test_chunk_layout_is_balanced_and_covers_the_row() -> None:
+    for vocab in (1, 31, 32, 33, 300, 1030, 32000, 151936):
+        for block in (32, 256, 2048):
+            for tiles in (1, 2, 3, 4, 8):
+                n_chunks, cols = kdiv.chunk_layout(vocab, block, tiles)
+                assert cols % block == 0 and cols <= max(tiles, 1) * block
+                assert (n_chunks - 1) * cols < vocab <= n_chunks * cols  # no empty chunk, nothing left over
+    assert kdiv.chunk_layout(151936, 2048, 4) == (19, 8192)
+
+
+@pytest.mark.parametrize(("block", "tiles"), [(32, 1), (32, 3), (64, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_chunks_per_row_forward(small_chunks, block: int, tiles: int, dtype: torch.dtype) -> None:
+    n, vocab, temperature = 11, 300, 0.9
+    small_chunks(interpret_block=block, interpret_chunk_tiles=tiles, block=block, chunk_tiles=tiles)
+    v, d = _logits(n, vocab, 30, dtype=dtype), _logits(n, vocab, 31, dtype=dtype)
+    _hard_rows(v, d)  # row 0: the first chunks are all -inf on both sides
+    v[6, :-5] = NEG_INF  # p lives in the last chunk only
+    d[6, :-5] = NEG_INF
+    v[7, :] = NEG_INF
+    v[7, 40] = 1.0  # p is one-hot inside an early chunk, q spread over every chunk
+    d[8, 200:] -= 40.0  # the maxima of the two rows in different chunks
+    task_ids = (torch.arange(n) % 3 - 1).to(DEVICE)
+    out = sd.divergence(v, d, temperature, task_ids=task_ids, num_tasks=2, backend="triton")
+    ref = divergence_reference(v.double(), d.double(), temperature, task_ids=task_ids, num_tasks=2)
+    _check(out, ref, TOL[dtype])
+    assert float(out.kl[3]) == 0.0 and float(out.tv[3]) == 0.0
+    assert torch.isinf(out.cross_entropy[1])
+    counted = task_ids >= 0
+    for task in range(2):
+        sel = counted & (task_ids == task)
+        assert int(out.per_task.count[task]) == int(sel.sum())
+        torch.testing.assert_close(out.per_task.tv_sum[task], out.tv[sel].double().sum(), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize(("bad", "needle"), [("nan", "verifier_logits"), ("inf", "drafter_logits"),
+                                             ("all_neg_inf", "drafter_logits"), ("nan_behind_neg_inf", "drafter")])
+def test_many_chunks_flag_bad_rows(small_chunks, bad: str, needle: str) -> None:
+    small_chunks(interpret_block=32, interpret_chunk_tiles=1, block=32, chunk_tiles=1)
+    v, d = _logits(4, 200, 32), _logits(4, 200, 33)
+    if bad == "nan":
+        v[2, 150] = float("nan")  # one chunk's sums are NaN; the other chunks are fine
+    elif bad == "inf":
+        d[1, 70] = float("inf")
+    elif bad == "all_neg_inf":
+        d[3] = NEG_INF
+    else:  # a chunk whose only non -inf entry is NaN: its maximum may be -inf, its sum is NaN
+        d[0, 32:64] = NEG_INF
+        d[0, 40] = float("nan")
+    with pytest.raises(ValueError, match=needle):
+        sd.divergence(v, d, backend="triton")
+
+
+@pytest.mark.parametrize("split", [0, 1])
+def test_mask_and_few_row_groups_with_chunks(small_chunks, split: int) -> None:
+    small_chunks(interpret_block=32, interpret_chunk_tiles=2, block=32, chunk_tiles=2, split=split, programs=3)
+    n, vocab = 10, 250
+    v, d = _logits(n, vocab, 34), _logits(n, vocab, 35)
+    mask = torch.tensor([True, False, True, True, False, True, True, True, False, True], device=DEVICE)
+    out = sd.divergence(v, d, 1.1, mask=mask, backend="triton")
+    ref = divergence_reference(v.double(), d.double(), 1.1, mask=mask)
+    _check(out, ref, 2e-5, mask)
+    for name in ("kl", "tv", "alpha"):
+        assert bool((getattr(out, name)[~mask] == 0).all())
+
+
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_many_chunks_loss_gradient_and_in_place(small_chunks, tiles: int) -> None:
+    small_chunks(interpret_block=32, interpret_chunk_tiles=tiles, block=32, chunk_tiles=tiles)
+    n, vocab, temperature = 9, 230, 1.3
+    v, d0 = _logits(n, vocab, 36, dtype=torch.bfloat16), _logits(n, vocab, 37, dtype=torch.bfloat16)
+    v[0, :100] = NEG_INF
+    d0[0, :100] = NEG_INF
+    weights = torch.rand(n, generator=torch.Generator().manual_seed(38)).to(DEVICE)
+    mask = torch.ones(n, dtype=torch.bool, device=DEVICE)
+    mask[5] = False
+    d = d0.clone().requires_grad_()
+    loss = sd.divergence_loss(d, v, weights, temperature, "sum", "triton", mask=mask)
+    loss.backward()
+    d64 = d0.double().requires_grad_()
+    ref = sd.divergence_loss(d64, v.double(), weights.double(), temperature, "sum", "torch", mask=mask)
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(d.grad.double(), d64.grad, rtol=0, atol=8e-3 * float(d64.grad.abs().max()))
+    assert bool((d.grad[5] == 0).all())
+    # in place (as the fused-linear path runs it): the gradient overwrites the drafter logits chunk by chunk
+    inplace = d0.clone()
+    ce = kdiv.launch_divergence(v, inplace, temperature, compute_tv=False, grad_out=inplace,
+                                weights=weights.float(), grad_scale=1.0)[0]
+    torch.testing.assert_close(ce.double(), divergence_reference(v.double(), d0.double(), temperature)[0],
+                               rtol=2e-5, atol=2e-5)
+    fresh = torch.empty_like(d0)
+    kdiv.launch_divergence(v, d0, temperature, compute_tv=False, grad_out=fresh, weights=weights.float())
+    assert torch.equal(inplace, fresh)
+
+
 # ------------------------------------------------------------------------------------------------ GPU-only shapes
 @gpu_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -214,3 +322,33 @@ def test_large_vocabulary_persistent_grid_and_loss() -> None:
     p = torch.softmax(v.double(), -1)
     q = torch.softmax(d0.double(), -1)
     torch.testing.assert_close(d.grad.double(), (q - p) / n, rtol=0, atol=1e-2 * float(((q - p) / n).abs().max()))
+
+
+@gpu_only
+@pytest.mark.parametrize("chunk_tiles", [1, 4, 8])
+def test_large_vocabulary_spin_matches_two_launches(chunk_tiles: int) -> None:
+    """The one-launch path (programs wait for the row's other chunks) against the two-launch path and float64."""
+    n, vocab = 2000, 151936
+    v, d0 = _logits(n, vocab, 24, dtype=torch.bfloat16), _logits(n, vocab, 25, dtype=torch.bfloat16)
+    _hard_rows(v, d0)
+    task_ids = torch.arange(n, device=DEVICE) % 5
+    results = {}
+    previous = kdiv.set_config(split=1, chunk_tiles=chunk_tiles)
+    try:
+        for spin in (1, 0):
+            kdiv.set_config(spin=spin)
+            for _ in range(2):  # the second call runs on the grid sized from the compiled kernel
+                out = sd.divergence(v, d0, 0.8, task_ids=task_ids, num_tasks=5)
+            d = d0.clone().requires_grad_()
+            sd.divergence_loss(d, v, temperature=0.8, reduction="mean").backward()
+            results[spin] = (out, d.grad)
+    finally:
+        kdiv.set_config(**previous)
+    ref = divergence_reference(v.double(), d0.double(), 0.8, task_ids=task_ids, num_tasks=5)
+    for spin in (1, 0):
+        _check(results[spin][0], ref, 1e-4)
+    a, b = results[1][0], results[0][0]
+    for name in ("cross_entropy", "kl", "tv", "alpha"):  # same arithmetic, two compilations: equal to rounding
+        torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(results[1][1].float(), results[0][1].float(), rtol=0, atol=1e-9)
+    torch.testing.assert_close(a.per_task.tv_sum, ref[4][2], rtol=1e-5, atol=1e-4)
