@@ -69,6 +69,31 @@ def bytes_read(strategy, num_accepted, num_drafts, vocab, esize):
     return float(rows.sum()) * vocab * esize
 
 
+def diagnose(s0, out, ref, num_drafts):
+    """Print the rows where specdec and the reference differ, with float64 decision margins (near-ties?)."""
+    bad = (out[0] != ref[0]).any(1).nonzero().flatten().tolist()
+    from specdec.kernels.rng import ACCEPT_INDEX, uniform
+
+    for b in bad[:4]:
+        t = s0["target"][b].double() / TEMPERATURE
+        d = s0["draft"][b].double() / TEMPERATURE
+        lp, lq = torch.log_softmax(t, -1), torch.log_softmax(d, -1)
+        x = s0["drafts"][b]
+        pos = torch.arange(num_drafts, device=x.device)
+        lu = torch.log(uniform(s0["seeds"][b].expand(num_drafts), s0["offsets"][b] + pos,
+                               torch.full_like(pos, ACCEPT_INDEX)).double())
+        margin = (lp[pos, x] - lq[pos, x] - lu).tolist()
+        stop = int(ref[1][b])
+        ids = torch.arange(t.shape[-1], device=t.device)
+        noise = torch.log(-torch.log(uniform(s0["seeds"][b].expand_as(ids), s0["offsets"][b] + stop, ids).double()))
+        resid = (lp[stop].exp() - (lq[min(stop, num_drafts - 1)].exp() if stop < num_drafts else 0)).clamp(min=0)
+        score = torch.log(resid) - noise if stop < num_drafts else t[stop] - noise
+        top = torch.topk(score, 2)
+        gap = float(top.values[0] - top.values[1])
+        print(f"#   row {b}: ref {ref[0][b].tolist()} got {out[0][b].tolist()} accept margins(f64) "
+              f"{[f'{m:.2e}' for m in margin]} race top2 {top.indices.tolist()} gap {gap:.2e}", flush=True)
+
+
 def setup_flashinfer():
     """Import FlashInfer and JIT-build its sampling module; returns (module, note)."""
     try:
@@ -90,6 +115,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--quick", action="store_true", help="V = 151936 only")
+    parser.add_argument("--vocabs", default="", help="comma-separated vocabulary sizes (default: all)")
     parser.add_argument("--max-seconds", type=float, default=1e9, help="stop starting new shapes after this")
     parser.add_argument("--providers", default="specdec,specdec_split,specdec_seq,torch_eager,torch_compile,"
                                                "flashinfer,flashinfer_kernel")
@@ -113,6 +139,8 @@ def main() -> None:
 
     rows = []
     vocabs = (151936,) if args.quick else VOCABS
+    if args.vocabs:
+        vocabs = tuple(int(v) for v in args.vocabs.split(","))
     with open(path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=FIELDS)
         writer.writeheader()
@@ -196,8 +224,9 @@ def main() -> None:
                                 out = rejection_sample_triton(s0["target"], s0["draft"], s0["drafts"], s0["seeds"],
                                                               s0["offsets"], TEMPERATURE, strategy=strategy)
                                 match = str(bool(torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])))
-                                used = strategy if strategy != "auto" else (
-                                    "seq" if batch >= 64 else "split")
+                                if match == "False":
+                                    diagnose(s0, out, ref, num_drafts)
+                                used = "split" if strategy == "auto" else strategy
                                 read = bytes_read(used, out[1], num_drafts, vocab, esize)
                             row.update(kernel="rejection_sample", provider=provider, B=batch, K=num_drafts,
                                        V=vocab, dtype=dtype_name, median_us=f"{med:.2f}", p20_us=f"{p20:.2f}",

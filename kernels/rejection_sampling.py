@@ -24,7 +24,7 @@ keeps its best (score, lowest id), tiles and programs combine with ``>`` in id o
 
 Two launch strategies compute the same function:
 
-* ``"split"`` (small batches; also whenever ``compute_scores``): three launches.
+* ``"split"`` (the default for every shape): three launches.
   (1) ``_stats_kernel``, grid ``(B*(K+1), S)``: every program reduces one vocabulary chunk of one (row, position)
   pair to partial (max, sum-exp) of target and draft and, for greedy rows, the lowest arg-max. Positions past a
   row's last draft are skipped. (2) ``_race_kernel``, grid ``(B, S2)``: every program combines the partials of its
@@ -32,9 +32,9 @@ Two launch strategies compute the same function:
   on its vocabulary chunk of the stop row only (and, with ``compute_scores``, partial alpha sums for all
   positions). (3) ``_finalize_kernel``, grid ``(B,)``: combines the race winners and writes the outputs.
   Splitting the vocabulary keeps every SM busy at B = 1.
-* ``"seq"`` (large batches): one launch, one program per row, positions in order with **early exit**: rows past the
-  first rejection are never read. Bytes read are ``(2 * (stop + 1) - [bonus]) * V`` per row plus the re-read of the
-  stop row(s) for the race instead of ``(2K + 1) * V``.
+* ``"seq"`` (opt-in; never faster on an H200, see ``benchmarks/NOTES_rejection.md``): one launch, one program per
+  row, positions in order with **early exit**: rows past the first rejection are never read. Bytes read are about
+  ``2 * (stop + 1) * V`` per row plus the re-read of the stop row for the race, instead of ``(2K + 1) * V``.
 
 Safety: all row offsets are int64; lanes past ``V`` load as ``-inf``; draft ids are clamped to ``[0, V)`` before a
 gather; ``-1`` drafts end a row; ``q(draft) = 0`` is always rejected. **NaN / all ``-inf`` rows:** the public
@@ -151,25 +151,45 @@ def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greed
     lo = split * chunk
     hi = tl.where(need_t, tl.minimum(lo + chunk, V), lo)
     v_d = tl.where(need_d, V, 0)  # (a scalar-bool & vector-bool mask trips Triton's interpreter)
-    m_t = float("-inf")
-    s_t = 0.0
-    m_d = float("-inf")
-    s_d = 0.0
+    # Lane-wise online log-sum-exp on [BLOCK // 8, 8] tiles: the axis-1 reductions stay inside a thread (or a
+    # warp), so a tile needs no block-wide barrier; one exp per element plus one per 8 elements for the rescale.
+    R: tl.constexpr = BLOCK // 8
+    rows2 = tl.arange(0, R)[:, None] * 8 + tl.arange(0, 8)[None, :]
+    m_t = tl.full([R], float("-inf"), tl.float32)
+    s_t = tl.zeros([R], tl.float32)
+    m_d = tl.full([R], float("-inf"), tl.float32)
+    s_d = tl.zeros([R], tl.float32)
     am_v = float("-inf")
     am_i = V
     for start in range(lo, hi, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        inb = offs < V
-        t = tl.load(t_base + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale
+        offs = start + rows2
+        t = tl.load(t_base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * scale
         d = tl.load(d_base + offs, mask=offs < v_d, other=float("-inf")).to(tl.float32) * scale
-        m_t, s_t, m_d, s_d = _lse_update2(m_t, s_t, t, m_d, s_d, d)
+        new_t = tl.maximum(m_t, tl.max(t, axis=1))
+        safe_t = tl.where(new_t == float("-inf"), 0.0, new_t)
+        s_t = s_t * tl.exp(m_t - safe_t) + tl.sum(tl.exp(t - safe_t[:, None]), axis=1)
+        m_t = new_t
+        new_d = tl.maximum(m_d, tl.max(d, axis=1))
+        safe_d = tl.where(new_d == float("-inf"), 0.0, new_d)
+        s_d = s_d * tl.exp(m_d - safe_d) + tl.sum(tl.exp(d - safe_d[:, None]), axis=1)
+        m_d = new_d
         if g != 0:
-            am_v, am_i = _argmax_update(am_v, am_i, t, offs, V)
+            tile_max = tl.max(tl.max(t, axis=1), axis=0)
+            tile_idx = tl.min(tl.min(tl.where(t == tile_max, offs, V), axis=1), axis=0)
+            upd = tile_max > am_v
+            am_v = tl.where(upd, tile_max, am_v)
+            am_i = tl.where(upd, tile_idx, am_i)
+    mt_all = tl.max(m_t, axis=0)
+    safe = tl.where(mt_all == float("-inf"), 0.0, mt_all)
+    st_all = tl.sum(s_t * tl.exp(m_t - safe), axis=0)
+    md_all = tl.max(m_d, axis=0)
+    safe = tl.where(md_all == float("-inf"), 0.0, md_all)
+    sd_all = tl.sum(s_d * tl.exp(m_d - safe), axis=0)
     out = (pair.to(tl.int64) * S + split) * 4
-    tl.store(stats_ptr + out, m_t)
-    tl.store(stats_ptr + out + 1, s_t)
-    tl.store(stats_ptr + out + 2, m_d)
-    tl.store(stats_ptr + out + 3, s_d)
+    tl.store(stats_ptr + out, mt_all)
+    tl.store(stats_ptr + out + 1, st_all)
+    tl.store(stats_ptr + out + 2, md_all)
+    tl.store(stats_ptr + out + 3, sd_all)
     tl.store(argmax_ptr + pair.to(tl.int64) * S + split, am_i)
 
 
@@ -455,8 +475,10 @@ def _split_plan(vocab: int, block: int, rows: int, target_programs: int, max_spl
 # At most this many vocabulary chunks per row; on the GPU the combine tiles are this wide (fewer kernel variants).
 _MAX_SPLITS = 256
 
-# Batches at least this large use the one-launch early-exit strategy (measured crossover, see NOTES_rejection.md).
-SEQ_MIN_BATCH = 64
+# Batches at least this large would use the one-launch early-exit strategy. On an H200 "seq" lost to "split" at
+# every measured shape (one program per row cannot pull enough bandwidth; see NOTES_rejection.md), so "auto" never
+# picks it; it stays available (strategy="seq") for GPUs/shapes where it might pay.
+SEQ_MIN_BATCH = 1 << 62
 
 
 def rejection_sample_triton(
