@@ -8,7 +8,7 @@ deliberately different structure so that a drafter can be good at some and poor 
 - ``copy``: ``copy qzkbwe|qzkbwe.`` (attending back into the prompt)
 - ``reverse``: ``reverse qzkbwe|ewbkzq.`` (attending back in reverse order)
 - ``count``: ``count 37: 38 39 40 41 42.`` (a deterministic successor rule)
-- ``grammar_latin``: ``the red fox sees a bird. every cat follows the old wolf.`` (a small grammar, Latin script)
+- ``grammar_latin``: ``the red fox sees a bird. every cat follows the wolf.`` (a small grammar, Latin script)
 - ``grammar_cyrillic``: the same grammar transliterated letter by letter into Cyrillic (same content, other script)
 
 User task files (see :func:`load_tasks`) are JSONL with a ``task`` field, TSV, or an MGSM-style folder of
@@ -42,12 +42,16 @@ class TaskTexts:
 
 
 def to_task_data(prompts: Sequence[str], texts: Sequence[str]) -> Any:
-    """Build a ``specdec.fairness.TaskData`` (or a :class:`TaskTexts` when the fairness module is not importable)."""
+    """Build a ``specdec.fairness.TaskData`` (or a :class:`TaskTexts` when the fairness module is not importable).
+
+    An empty ``prompts`` or ``texts`` becomes ``None`` in ``TaskData`` (that kind of input is absent).
+    """
     try:
         from specdec.fairness import TaskData
     except ImportError:  # the fairness module is optional for data handling
         return TaskTexts(prompts=list(prompts), texts=list(texts))
-    return TaskData(prompts=list(prompts), texts=list(texts))
+    # TaskData marks a missing kind with None (an empty list is an error there).
+    return TaskData(prompts=list(prompts) or None, texts=list(texts) or None)
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,7 @@ _DETERMINERS = ("the", "a", "every", "some", "no")
 _ADJECTIVES = ("red", "small", "old", "quiet", "green", "tall", "wild")
 _NOUNS = ("fox", "bird", "cat", "man", "river", "stone", "wolf", "child", "tree")
 _VERBS = ("sees", "finds", "likes", "follows", "hears", "helps", "draws")
-_RANDOM_WORD_LETTERS = "abcdefghiklmnoprstuvwxz"
+_RANDOM_WORD_LETTERS = "abdeklmorst"
 
 
 def transliterate_to_cyrillic(text: str) -> str:
@@ -102,12 +106,12 @@ def _arithmetic(rng: random.Random) -> tuple[str, str]:
 
 
 def _copy(rng: random.Random) -> tuple[str, str]:
-    word = _random_word(rng, 5, 10)
+    word = _random_word(rng, 3, 5)
     return f"copy {word}|", f"{word}."
 
 
 def _reverse(rng: random.Random) -> tuple[str, str]:
-    word = _random_word(rng, 4, 8)
+    word = _random_word(rng, 3, 5)
     return f"reverse {word}|", f"{word[::-1]}."
 
 
@@ -129,8 +133,7 @@ def _sentence(rng: random.Random) -> str:
 
 
 def _grammar_latin(rng: random.Random) -> tuple[str, str]:
-    first, second, third = _sentence(rng), _sentence(rng), _sentence(rng)
-    return first + " ", f"{second} {third}"
+    return _sentence(rng) + " ", _sentence(rng)
 
 
 def _grammar_cyrillic(rng: random.Random) -> tuple[str, str]:

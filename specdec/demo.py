@@ -34,7 +34,7 @@ import torch
 
 from specdec import data
 
-CACHE_FORMAT = "specdec-demo-pair-v1"
+CACHE_FORMAT = "specdec-demo-pair-v2"
 DEFAULT_OUTPUT_DIR = "specdec-demo-report"
 PAIR_META_NAME = "pair.json"
 
@@ -82,8 +82,10 @@ class PairConfig:
 
     def cache_key(self) -> str:
         """A short, stable hash of the configuration (and the cache format and vocabulary)."""
-        payload = json.dumps({"format": CACHE_FORMAT, "alphabet": data.ALPHABET, "config": asdict(self)},
-                             sort_keys=True)
+        # A fingerprint of the generated data too, so a change to the task generators retrains the pair.
+        data_fingerprint = [ex.text for ex in data.sample_mixture(data.UNIFORM_MIXTURE, 60, seed=self.seed)]
+        payload = json.dumps({"format": CACHE_FORMAT, "alphabet": data.ALPHABET, "config": asdict(self),
+                              "data": data_fingerprint}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -265,7 +267,7 @@ def train_language_model(model: torch.nn.Module, tokenizer: Any, spec: TrainingS
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     model.eval()
     return losses
@@ -284,12 +286,12 @@ class DemoPair:
 
 
 def load_pair(path: str | os.PathLike) -> DemoPair:
-    """Load a cached pair folder (``verifier/``, ``drafter/``, ``tokenizer/``, ``pair.json``) without network."""
+    """Load a cached pair folder (``verifier/``, ``drafter/``, each with the tokenizer, and ``pair.json``) offline."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
     meta = json.loads((path / PAIR_META_NAME).read_text(encoding="utf-8"))
-    tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer", local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path / "verifier", local_files_only=True)
     verifier = AutoModelForCausalLM.from_pretrained(path / "verifier", local_files_only=True).eval()
     drafter = AutoModelForCausalLM.from_pretrained(path / "drafter", local_files_only=True).eval()
     return DemoPair(verifier, drafter, tokenizer, path, cache_hit=True, info=meta)
@@ -332,9 +334,9 @@ def get_demo_pair(cache_dir: str | os.PathLike | None = None, *, config: PairCon
     cache_root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{pair_dir.name}-", dir=cache_root))
     try:
-        verifier.save_pretrained(staging / "verifier")
-        drafter.save_pretrained(staging / "drafter")
-        tokenizer.save_pretrained(staging / "tokenizer")
+        for name, model in (("verifier", verifier), ("drafter", drafter)):
+            model.save_pretrained(staging / name)
+            tokenizer.save_pretrained(staging / name)  # each folder works alone with `specdec generate` and HF
         (staging / PAIR_META_NAME).write_text(json.dumps(info, indent=2), encoding="utf-8")
         if pair_dir.exists():
             shutil.rmtree(pair_dir)
@@ -425,6 +427,23 @@ def _format_number(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
+
+
+def compact_table(report: Any) -> str:
+    """The per-task figures a user needs on a terminal (the full table goes to the report file)."""
+    columns = [("task", "name"), ("α_T", "alpha"), ("S_T", "speedup"), ("K_T (CE)", "cross_entropy"),
+               ("D_T (KL)", "kl"), ("H_T(p)", "entropy"), ("α gen", "alpha_measured"), ("tok/call", "tokens_per_call")]
+    lines = ["| " + " | ".join(title for title, _ in columns) + " |", "|" + "---|" * len(columns)]
+    for row in report.tasks:
+        lines.append("| " + " | ".join(_format_number(getattr(row, key)) for _, key in columns) + " |")
+    summary = report.summary
+    lines.append("")
+    lines.append(f"U (variance of K_T) = {_format_number(summary.get('U_ce'))}, U on D_T = "
+                 f"{_format_number(summary.get('U_kl'))}; speed-up max/min = "
+                 f"{_format_number(summary.get('speedup_max_over_min'))}; mean α = "
+                 f"{_format_number(summary.get('alpha_mean'))}, worst α = {_format_number(summary.get('alpha_min'))} "
+                 f"({summary.get('worst_task')})")
+    return "\n".join(lines) + "\n"
 
 
 def comparison_markdown(rows: list[dict[str, Any]]) -> str:
@@ -553,7 +572,7 @@ def run_demo(
     timings["evaluate_before_seconds"] = time.perf_counter() - step_started
     say("\nFairness of the original drafter (teacher-forced α_T, S_T, K_T on held-out texts; α gen and tok/call "
         "from real generate runs):\n")
-    say(before.to_markdown())
+    say(compact_table(before))
 
     train_texts = {task: [ex.text for ex in examples] for task, examples in data.synthetic_task_suite(
         settings.num_finetune_examples, seed=seed, split="finetune").items()}
@@ -577,7 +596,7 @@ def run_demo(
     _, after = finetuned("scdf")
     timings["scdf_seconds"] = time.perf_counter() - step_started
     say("\nFairness after s-CDF:\n")
-    say(after.to_markdown())
+    say(compact_table(after))
 
     baseline_reports: dict[str, Any] = {}
     if baselines:
@@ -609,6 +628,8 @@ def run_demo(
         "timings": timings, "cache_hit": pair.cache_hit,
     }, indent=2, default=str), encoding="utf-8")
     say(f"\nReport: {report_path}\nPlots:  {', '.join(str(p) for p in plot_paths)}")
+    say(f"Try the pair yourself: specdec generate --verifier {pair.path / 'verifier'} --drafter "
+        f"{pair.path / 'drafter'} --prompt 'count 41:'")
     return DemoResult(before=before, after=after, baselines=baseline_reports, comparison=comparison, samples=samples,
                       cache_hit=pair.cache_hit, pair_dir=pair.path, output_dir=out_dir, report_path=report_path,
                       plot_paths=plot_paths, timings=timings, pair_info=pair.info)

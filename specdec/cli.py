@@ -1,0 +1,619 @@
+"""The ``specdec`` command line: ``generate``, ``evaluate``, ``finetune``, ``bench`` and ``demo``.
+
+Models are Hugging Face model ids or local folders and are always loaded offline (``local_files_only=True``,
+``HF_HUB_OFFLINE=1``): nothing is downloaded. Exit codes: 0 success, 1 runtime error (unreadable file contents, a
+model that fails to load, no GPU for the benchmarks), 2 usage error (unknown option, bad value, missing file). Errors
+are one message on stderr, never a traceback (set ``SPECDEC_DEBUG=1`` to see it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+PROGRAM = "specdec"
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+BENCHMARKS = {"rejection": "bench_rejection.py", "divergence": "bench_divergence.py"}
+
+
+class UsageError(Exception):
+    """A problem with the command line itself (exit code 2)."""
+
+
+class CommandError(Exception):
+    """A problem found while running a command (exit code 1)."""
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Argument types and shared options
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return value
+
+
+def _probability(text: str) -> float:
+    value = _positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
+    return value
+
+
+def _existing_path(text: str) -> Path:
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"no such file or folder: {text}")
+    return path
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("models (Hugging Face ids already in the local cache, or local folders)")
+    group.add_argument("--verifier", required=True, help="the large model whose outputs are kept")
+    group.add_argument("--drafter", required=True, help="the small model that proposes tokens")
+    group.add_argument("--tokenizer", default=None, help="tokenizer id or folder (default: the verifier's)")
+    group.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
+    group.add_argument("--dtype", default="auto", choices=DTYPES,
+                       help="weights dtype (default: auto = float32 on CPU, the checkpoint's dtype on GPU)")
+
+
+def _add_decoding_options(parser: argparse.ArgumentParser, *, temperature: float) -> None:
+    group = parser.add_argument_group("speculative decoding")
+    group.add_argument("-k", "--num-draft-tokens", type=_positive_int, default=4, metavar="K",
+                       help="drafts per verifier call (default: 4)")
+    group.add_argument("--temperature", type=_non_negative_float, default=temperature,
+                       help=f"sampling temperature, 0 = greedy (default: {temperature})")
+    group.add_argument("--max-new-tokens", type=_positive_int, default=None,
+                       help="tokens to generate per prompt")
+    group.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    group.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
+                       help="kernel backend: auto = Triton on CUDA, torch reference elsewhere (default: auto)")
+    group.add_argument("--batch-size", type=_positive_int, default=8, help="prompts per batch (default: 8)")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Loading models offline
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _looks_like_path(name: str) -> bool:
+    """A local folder (existing, or written like a path) rather than a Hugging Face model id."""
+    return Path(name).expanduser().exists() or name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
+def _resolve_dtype(name: str, device: Any) -> Any:
+    import torch
+
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else "auto"
+    return getattr(torch, name)
+
+
+def _resolve_device(name: str) -> Any:
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"argument --device: not a torch device: {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CommandError(f"--device {name}: no CUDA device is available on this machine (use --device cpu)")
+    return device
+
+
+def _load_failure(what: str, name: str, error: Exception) -> CommandError:
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    hint = ("" if _looks_like_path(name) else
+            " (models are loaded offline: pass a local folder written by save_pretrained, or an id already in the "
+            "Hugging Face cache)")
+    return CommandError(f"could not load the {what} {name!r}: {first_line}{hint}")
+
+
+def load_tokenizer(name: str) -> Any:
+    """A tokenizer loaded offline; left padding, and a pad token (eos when it has none)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
+    except Exception as error:  # transformers raises many kinds (OSError, ValueError, ...)
+        raise _load_failure("tokenizer", name, error) from None
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(name: str, what: str, device: Any, dtype_name: str) -> Any:
+    """A causal LM loaded offline onto ``device`` in eval mode."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # no "Loading weights" bars around the command's own output
+    if _looks_like_path(name) and not Path(name).expanduser().exists():
+        raise UsageError(f"argument --{what}: no such folder: {name}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, local_files_only=True,
+                                                     dtype=_resolve_dtype(dtype_name, device))
+    except Exception as error:  # transformers raises many kinds (OSError, ValueError, ...)
+        raise _load_failure(what, name, error) from None
+    return model.to(device).eval()
+
+
+def _load_pair(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    device = _resolve_device(args.device)
+    tokenizer = load_tokenizer(args.tokenizer or args.verifier)
+    verifier = load_causal_lm(args.verifier, "verifier", device, args.dtype)
+    drafter = load_causal_lm(args.drafter, "drafter", device, args.dtype)
+    return verifier, drafter, tokenizer
+
+
+def _shared_vocab_size(verifier: Any, drafter: Any, tokenizer: Any) -> int | None:
+    """None when both output layers have the same size, else the tokenizer's size (the shared id range)."""
+    sizes = {model.get_output_embeddings().weight.shape[0] for model in (verifier, drafter)}
+    return None if len(sizes) == 1 else len(tokenizer)
+
+
+def _load_tasks(path: Path, max_examples: int | None) -> dict[str, Any]:
+    from specdec.data import TaskFileError, load_tasks
+
+    try:
+        return load_tasks(path, max_examples=max_examples)
+    except TaskFileError as error:
+        raise CommandError(str(error)) from None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Subcommands
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def command_generate(args: argparse.Namespace) -> int:
+    """Speculative decoding of one or more prompts; prints the completions and the acceptance statistics."""
+    import torch
+
+    from specdec.data import TaskFileError, read_prompts_file
+    from specdec.generate import generate
+
+    if args.prompts_file is not None:
+        try:
+            prompts = read_prompts_file(args.prompts_file)
+        except TaskFileError as error:
+            raise CommandError(str(error)) from None
+    else:
+        prompts = [prompt.replace("\\n", "\n") for prompt in args.prompt]
+    if any(not prompt for prompt in prompts):
+        raise UsageError("argument --prompt: prompts must not be empty")
+    verifier, drafter, tokenizer = _load_pair(args)
+    eos = args.eos_token_id if args.eos_token_id is not None else tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
+    vocab_size = _shared_vocab_size(verifier, drafter, tokenizer)
+    device = next(verifier.parameters()).device
+    totals = {"generated": 0, "verifier_calls": 0, "drafted": 0, "accepted": 0, "wall_time_s": 0.0}
+    for start in range(0, len(prompts), args.batch_size):
+        chunk = prompts[start:start + args.batch_size]
+        batch = tokenizer(chunk, add_special_tokens=not args.no_special_tokens, padding=True, return_tensors="pt")
+        input_ids, attention_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+        if input_ids.shape[1] == 0 or bool((attention_mask.sum(1) == 0).any()):
+            raise CommandError("a prompt encodes to no tokens")
+        with torch.no_grad():
+            out = generate(verifier, drafter, input_ids, attention_mask, max_new_tokens=args.max_new_tokens,
+                           num_draft_tokens=args.num_draft_tokens, temperature=args.temperature, top_k=args.top_k,
+                           top_p=args.top_p, eos_token_id=eos, seed=args.seed + start, backend=args.backend,
+                           pad_token_id=pad, vocab_size=vocab_size)
+        stats = out.stats
+        width = input_ids.shape[1]
+        for row, prompt in enumerate(chunk):
+            new_tokens = out.sequences[row, width:width + int(stats.generated[row])].tolist()
+            completion = tokenizer.decode(new_tokens, skip_special_tokens=True)
+            record = {
+                "prompt": prompt, "completion": completion, "generated_tokens": int(stats.generated[row]),
+                "drafted": int(stats.drafted[row]), "accepted": int(stats.accepted[row]),
+                "verifier_calls": int(stats.verifier_calls[row]),
+                "tokens_per_verifier_call": float(stats.tokens_per_verifier_call[row]),
+            }
+            if args.json:
+                print(json.dumps(record, ensure_ascii=False))
+            else:
+                print(f"### prompt {start + row + 1}: {prompt!r}\n{prompt}{completion}\n"
+                      f"[{record['generated_tokens']} tokens, {record['verifier_calls']} verifier calls, "
+                      f"{record['tokens_per_verifier_call']:.2f} tokens/call, "
+                      f"{record['accepted']}/{record['drafted']} drafts accepted]\n")
+        for key in ("generated", "verifier_calls", "drafted", "accepted"):
+            totals[key] += int(getattr(stats, key).sum())
+        totals["wall_time_s"] += stats.wall_time_s
+    summary = (f"{len(prompts)} prompt(s): {totals['generated']} tokens, "
+               f"{totals['generated'] / max(totals['verifier_calls'], 1):.2f} tokens per verifier call, acceptance "
+               f"{totals['accepted'] / max(totals['drafted'], 1):.3f}, {totals['wall_time_s']:.2f} s")
+    print(summary, file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _write_report(report: Any, output_dir: Path | None, title: str) -> list[Path]:
+    if output_dir is None:
+        return []
+    output_dir.mkdir(parents=True, exist_ok=True)
+    markdown, data, plot = output_dir / "report.md", output_dir / "report.json", output_dir / "report.png"
+    markdown.write_text(f"# {title}\n\n{report.to_markdown()}\n![fairness plot](report.png)\n", encoding="utf-8")
+    data.write_text(json.dumps(report.to_dict(), indent=2, default=str), encoding="utf-8")
+    report.plot(str(plot))
+    return [markdown, data, plot]
+
+
+def command_evaluate(args: argparse.Namespace) -> int:
+    """Per-task fairness report of a drafter-verifier pair over task files."""
+    from specdec.fairness import evaluate
+
+    tasks = _load_tasks(args.tasks, args.max_examples)
+    verifier, drafter, tokenizer = _load_pair(args)
+    report = evaluate(
+        verifier, drafter, tasks, tokenizer=tokenizer, num_draft_tokens=args.num_draft_tokens,
+        temperature=args.temperature, max_new_tokens=args.max_new_tokens or 32, batch_size=args.batch_size,
+        max_examples=args.max_examples, cost_ratio=args.cost_ratio, seed=args.seed, progress=not args.no_progress,
+        backend=args.backend, eos_token_id=tokenizer.eos_token_id, vocab_size=_shared_vocab_size(
+            verifier, drafter, tokenizer), add_special_tokens=not args.no_special_tokens,
+    )
+    print(report.to_markdown())
+    written = _write_report(report, args.output_dir, f"specdec fairness report: {args.tasks}")
+    if written:
+        print("wrote " + ", ".join(str(path) for path in written))
+    return 0
+
+
+def command_finetune(args: argparse.Namespace) -> int:
+    """Finetune the drafter with s-CDF or a baseline and save it (with the tokenizer) to ``--output``."""
+    from specdec.finetune import finetune_drafter
+
+    tasks = _load_tasks(args.tasks, args.max_examples)
+    texts = {name: list(task.texts or task.prompts) for name, task in tasks.items()}
+    eval_texts = None
+    if args.eval_tasks is not None:
+        eval_texts = {name: list(task.texts or task.prompts)
+                      for name, task in _load_tasks(args.eval_tasks, args.max_examples).items()}
+    verifier, drafter, tokenizer = _load_pair(args)
+    if args.output.exists() and any(args.output.iterdir()) and not args.overwrite:
+        raise UsageError(f"argument --output: {args.output} exists and is not empty (pass --overwrite)")
+    result = finetune_drafter(
+        drafter, verifier, texts, tokenizer=tokenizer, method=args.method, weight_basis=args.weight_basis,
+        weight_floor=args.weight_floor, steps=args.steps, batch_size_per_task=args.batch_size_per_task,
+        seq_len=args.seq_len, lr=args.lr, eval_every=args.eval_every, checkpoint_dir=args.checkpoint_dir,
+        resume=not args.no_resume, seed=args.seed, progress=not args.no_progress, eval_tasks=eval_texts,
+        add_special_tokens=not args.no_special_tokens,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+        vocab_size=_shared_vocab_size(verifier, drafter, tokenizer),
+    )
+    args.output.mkdir(parents=True, exist_ok=True)
+    drafter.save_pretrained(args.output)
+    tokenizer.save_pretrained(args.output)
+    first, last = result.initial, result.final
+    print(f"method {result.method}, weight basis {result.weight_basis}, {result.steps} steps")
+    print("| step | U (basis) | U (CE) | U (KL) | mean α | worst α | worst task |\n|---|---|---|---|---|---|---|")
+    for entry in result.history:
+        print(f"| {entry['step']} | {entry['U']:.4g} | {entry['U_ce']:.4g} | {entry['U_kl']:.4g} | "
+              f"{entry['mean_alpha']:.4g} | {entry['worst_alpha']:.4g} | {entry['worst_task']} |")
+    change = (last["U"] - first["U"]) / first["U"] if first["U"] else 0.0
+    print(f"U ({result.weight_basis}) {first['U']:.4g} -> {last['U']:.4g} ({change:+.0%}); "
+          f"mean α {first['mean_alpha']:.4g} -> {last['mean_alpha']:.4g}; worst α {first['worst_alpha']:.4g} -> "
+          f"{last['worst_alpha']:.4g}")
+    print(f"saved the finetuned drafter to {args.output}")
+    return 0
+
+
+def _benchmarks_dir(explicit: Path | None) -> Path:
+    if explicit is not None:
+        return explicit
+    checkout = Path(__file__).resolve().parent.parent / "benchmarks"
+    if checkout.is_dir():
+        return checkout
+    raise CommandError("the benchmark scripts were not found next to the installed package; run from a source "
+                       "checkout of specdec or pass --benchmarks-dir")
+
+
+def _cpu_smoke(quick_shapes: Sequence[tuple[int, int]] = ((64, 1024), (256, 4096))) -> None:
+    """Time the torch reference of each fused op on small CPU shapes (a smoke run, not a kernel benchmark)."""
+    import statistics
+    import time
+
+    import torch
+
+    from specdec.divergences import divergence
+    from specdec.sampling import rejection_sample
+
+    def median_ms(fn: Any, repeats: int = 5) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+
+    generator = torch.Generator().manual_seed(0)
+    print("CPU smoke run of the torch references (no Triton kernels are timed):")
+    print("| op | rows | vocab | median ms |\n|---|---|---|---|")
+    for rows, vocab in quick_shapes:
+        verifier_logits = torch.randn(rows, vocab, generator=generator)
+        drafter_logits = verifier_logits + 0.7 * torch.randn(rows, vocab, generator=generator)
+        ms = median_ms(lambda v=verifier_logits, d=drafter_logits: divergence(v, d, backend="torch"))
+        print(f"| divergence | {rows} | {vocab} | {ms:.3f} |")
+        batch, drafts = max(rows // 8, 1), 4
+        target = torch.randn(batch, drafts + 1, vocab, generator=generator)
+        draft = target[:, :drafts] + 0.7 * torch.randn(batch, drafts, vocab, generator=generator)
+        tokens = torch.distributions.Categorical(logits=draft).sample()
+        ms = median_ms(lambda t=target, d=draft, x=tokens: rejection_sample(t, d, x, generator=generator,
+                                                                             backend="torch"))
+        print(f"| rejection_sample (B={batch}, K={drafts}) | {batch * drafts} | {vocab} | {ms:.3f} |")
+
+
+def command_bench(args: argparse.Namespace) -> int:
+    """Run the kernel microbenchmarks (GPU) as subprocesses, or a CPU smoke run of the references."""
+    import torch
+
+    if args.cpu_smoke:
+        _cpu_smoke()
+        return 0
+    folder = _benchmarks_dir(args.benchmarks_dir)
+    names = list(BENCHMARKS) if args.which == "all" else [args.which]
+    commands = []
+    for name in names:
+        script = folder / BENCHMARKS[name]
+        if not script.is_file():
+            raise CommandError(f"benchmark script not found: {script}")
+        command = [sys.executable, str(script)] + (["--quick"] if args.quick else []) + list(args.script_args)
+        commands.append(command)
+    if args.dry_run:
+        for command in commands:
+            print(" ".join(command))
+        return 0
+    if not torch.cuda.is_available():
+        raise CommandError("no CUDA device found: the kernel microbenchmarks time Triton kernels on a GPU. "
+                           "Run `specdec bench --cpu-smoke` for a quick CPU smoke run of the torch references, or "
+                           "`specdec bench --dry-run` to see the commands")
+    for command in commands:
+        print("+ " + " ".join(command), flush=True)
+        completed = subprocess.run(command, cwd=folder.parent, check=False)
+        if completed.returncode != 0:
+            raise CommandError(f"{Path(command[1]).name} exited with status {completed.returncode}")
+    return 0
+
+
+def command_demo(args: argparse.Namespace) -> int:
+    """The offline demo (see :mod:`specdec.demo`)."""
+    from specdec.demo import run_demo
+
+    result = run_demo(
+        output_dir=args.output_dir, cache_dir=args.cache_dir, quick=args.quick, seed=args.seed,
+        baselines=not args.no_baselines, retrain=args.retrain, finetune_steps=args.finetune_steps,
+        cost_ratio=args.cost_ratio, progress=not args.no_progress,
+    )
+    print(f"done in {result.timings['total_seconds']:.0f} s "
+          f"({'pair loaded from the cache' if result.cache_hit else 'pair trained and cached'})")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Parser
+# ----------------------------------------------------------------------------------------------------------------------
+
+_MAIN_EPILOG = """\
+quick start (CPU, offline, a few minutes):
+  specdec demo                           train a tiny pair, show the disparity, fix it with s-CDF
+
+examples:
+  specdec generate --verifier ./big --drafter ./small --prompt "2+2=" --temperature 0
+  specdec evaluate --verifier ./big --drafter ./small --tasks tasks.jsonl --output-dir report/
+  specdec evaluate --verifier ./big --drafter ./small --tasks data/mgsm/ --max-examples 50
+  specdec finetune --verifier ./big --drafter ./small --tasks tasks.jsonl --output ./small-scdf
+  specdec bench --quick                  (needs a CUDA GPU; --cpu-smoke otherwise)
+
+exit codes: 0 success, 1 runtime error, 2 usage error (bad option or value, missing file)
+"""
+
+_TASKS_HELP = ("task file: .jsonl with 'task' and 'prompt'/'text' fields, .tsv ('task<TAB>text' with that header, "
+               "or 'question<TAB>answer' rows named after the file), or a folder of <name>_<lang>.tsv files "
+               "(MGSM layout, task = lang)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``specdec`` command."""
+    from specdec import __version__
+
+    parser = argparse.ArgumentParser(
+        prog=PROGRAM, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_MAIN_EPILOG,
+        description="Fast, lossless and fair speculative decoding: run it, measure its per-task disparity, and "
+                    "reduce it with s-CDF drafter finetuning.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    raw = argparse.RawDescriptionHelpFormatter
+
+    generate = commands.add_parser(
+        "generate", help="speculative decoding of prompts with a verifier/drafter pair", formatter_class=raw,
+        description="Generate with speculative decoding; the output follows the verifier exactly.",
+        epilog="examples:\n  specdec generate --verifier ./big --drafter ./small --prompt 'count 7:' -k 4\n"
+               "  specdec generate --verifier Qwen/Qwen2.5-7B --drafter Qwen/Qwen2.5-0.5B --prompts-file p.txt "
+               "--device cuda --dtype bfloat16 --temperature 0.7 --top-p 0.9 --json\n\n"
+               "A prompts file has one prompt per line (\\n inside a line is a newline) or is .jsonl with a "
+               "'prompt' field.")
+    _add_model_options(generate)
+    source = generate.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    source.add_argument("--prompts-file", type=_existing_path, help="a file of prompts")
+    _add_decoding_options(generate, temperature=0.0)
+    generate.set_defaults(max_new_tokens=64)
+    generate.add_argument("--top-k", type=_non_negative_int, default=0, help="keep the k likeliest tokens (0 = off)")
+    generate.add_argument("--top-p", type=_probability, default=1.0, help="nucleus sampling mass in (0, 1]")
+    generate.add_argument("--eos-token-id", type=int, default=None, help="stop token (default: the tokenizer's)")
+    generate.add_argument("--no-special-tokens", action="store_true", help="do not add BOS etc. to prompts")
+    generate.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    generate.set_defaults(handler=command_generate)
+
+    evaluate = commands.add_parser(
+        "evaluate", help="per-task fairness report (acceptance, speed-up, cross-entropy, U)", formatter_class=raw,
+        description="Measure how unequally the drafter accelerates each task; writes markdown, JSON and a PNG.",
+        epilog="examples:\n  specdec evaluate --verifier ./big --drafter ./small --tasks tasks.jsonl "
+               "--output-dir report/\n  specdec evaluate --verifier ./big --drafter ./small --tasks mgsm/ "
+               "--max-examples 32 --cost-ratio 0.1")
+    _add_model_options(evaluate)
+    evaluate.add_argument("--tasks", type=_existing_path, required=True, help=_TASKS_HELP)
+    evaluate.add_argument("--max-examples", type=_positive_int, default=None, help="examples per task")
+    _add_decoding_options(evaluate, temperature=1.0)
+    evaluate.add_argument("--cost-ratio", type=_non_negative_float, default=None,
+                          help="c = drafter time / verifier time per forward (default: measured)")
+    evaluate.add_argument("--output-dir", type=Path, default=None,
+                          help="write report.md, report.json and report.png here")
+    evaluate.add_argument("--no-special-tokens", action="store_true", help="do not add BOS etc. to texts")
+    evaluate.add_argument("--no-progress", action="store_true", help="no progress bars")
+    evaluate.set_defaults(handler=command_evaluate)
+
+    finetune = commands.add_parser(
+        "finetune", help="finetune the drafter with s-CDF or a baseline", formatter_class=raw,
+        description="Update only the drafter so the tasks it serves worst catch up; the verifier is frozen.",
+        epilog="methods: scdf (corrective weights K_i - min K), exact_variance (K_i - mean K: lowers U by levelling "
+               "down), uniform_kd (distillation on the pooled data), balanced (equal task sampling)\n\n"
+               "example:\n  specdec finetune --verifier ./big --drafter ./small --tasks tasks.jsonl --steps 200 "
+               "--output ./small-scdf")
+    _add_model_options(finetune)
+    finetune.add_argument("--tasks", type=_existing_path, required=True, help=_TASKS_HELP)
+    finetune.add_argument("--eval-tasks", type=_existing_path, default=None,
+                          help="held-out task file for the U evaluations (default: the first training texts)")
+    finetune.add_argument("--output", type=Path, required=True, help="folder to save the finetuned drafter into")
+    finetune.add_argument("--overwrite", action="store_true", help="allow a non-empty --output folder")
+    finetune.add_argument("--method", default="scdf", choices=("scdf", "exact_variance", "uniform_kd", "balanced"))
+    finetune.add_argument("--weight-basis", default="ce", choices=("ce", "kl", "tv"),
+                          help="per-task value the weights are computed on (default: ce)")
+    finetune.add_argument("--weight-floor", type=_non_negative_float, default=0.0)
+    finetune.add_argument("--steps", type=_non_negative_int, default=200)
+    finetune.add_argument("--batch-size-per-task", type=_positive_int, default=8)
+    finetune.add_argument("--seq-len", type=_positive_int, default=64)
+    finetune.add_argument("--lr", type=_positive_float, default=1e-3)
+    finetune.add_argument("--eval-every", type=_positive_int, default=50)
+    finetune.add_argument("--checkpoint-dir", type=Path, default=None, help="checkpoints for resuming")
+    finetune.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint")
+    finetune.add_argument("--max-examples", type=_positive_int, default=None, help="texts per task")
+    finetune.add_argument("--seed", type=int, default=0)
+    finetune.add_argument("--no-special-tokens", action="store_true", help="do not add BOS etc. to texts")
+    finetune.add_argument("--no-progress", action="store_true")
+    finetune.set_defaults(handler=command_finetune)
+
+    bench = commands.add_parser(
+        "bench", help="run the kernel microbenchmarks (CUDA GPU)", formatter_class=raw,
+        description="Run benchmarks/bench_rejection.py and benchmarks/bench_divergence.py from a source checkout. "
+                    "Arguments after -- are passed to the scripts.",
+        epilog="examples:\n  specdec bench --quick\n  specdec bench divergence -- --sweep\n"
+               "  specdec bench --cpu-smoke     (no GPU: time the torch references on small shapes)")
+    bench.add_argument("which", nargs="?", default="all", choices=("all", *BENCHMARKS))
+    bench.add_argument("--quick", action="store_true", help="pass --quick to the scripts (one shape each)")
+    bench.add_argument("--cpu-smoke", action="store_true", help="a quick CPU run of the torch references instead")
+    bench.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    bench.add_argument("--benchmarks-dir", type=_existing_path, default=None, help="folder of the scripts")
+    bench.set_defaults(handler=command_bench, script_args=[])
+
+    demo = commands.add_parser(
+        "demo", help="the offline demo: a built-in pair, its disparity, and s-CDF", formatter_class=raw,
+        description="Train (first run, ~2-3 min on 2 CPU cores) or load a small verifier/drafter pair, print the "
+                    "per-task fairness table, finetune the drafter with s-CDF (and the baselines), print the table "
+                    "after, and write report.md and PNG plots.",
+        epilog="The pair is cached under $SPECDEC_CACHE, else $XDG_CACHE_HOME/specdec, else ~/.cache/specdec.\n"
+               "The report goes to ./specdec-demo-report (moved to the cache folder when run inside the specdec "
+               "source tree).")
+    demo.add_argument("--output-dir", type=Path, default=None, help="report folder (default: ./specdec-demo-report)")
+    demo.add_argument("--cache-dir", type=Path, default=None, help="where the trained pair is cached")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--no-baselines", action="store_true", help="skip the three baseline finetunings")
+    demo.add_argument("--retrain", action="store_true", help="train the pair again even if it is cached")
+    demo.add_argument("--finetune-steps", type=_positive_int, default=None, help="s-CDF steps (default: 150)")
+    demo.add_argument("--cost-ratio", type=_non_negative_float, default=None,
+                      help="c for the speed-up (default: drafter/verifier parameter ratio)")
+    demo.add_argument("--quick", action="store_true", help="tiny models and steps, for smoke tests only")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bars")
+    demo.set_defaults(handler=command_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``specdec`` command; returns the exit code."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the network, whatever the arguments
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough: list[str] = []
+    if "--" in argv:  # everything after "--" goes to the benchmark scripts untouched
+        split = argv.index("--")
+        argv, passthrough = argv[:split], argv[split + 1:]
+    try:
+        args = parser.parse_args(argv)
+        if passthrough and args.command != "bench":
+            parser.error(f"arguments after -- are only accepted by 'bench', got {' '.join(passthrough)}")
+    except SystemExit as exit_request:  # --help, --version, or an argparse usage error (2)
+        return int(exit_request.code or 0)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    if passthrough:
+        args.script_args = passthrough
+    subparser_prog = f"{PROGRAM} {args.command}"
+    try:
+        return int(args.handler(args) or 0)
+    except UsageError as error:
+        print(f"{subparser_prog}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{subparser_prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # every other failure: one line on stderr, traceback only on request
+        if os.environ.get("SPECDEC_DEBUG"):
+            raise
+        from specdec.demo import DemoError
+
+        if isinstance(error, DemoError):
+            print(f"{subparser_prog}: error: {error}", file=sys.stderr)
+            return 2
+        if isinstance(error, CommandError):
+            message = str(error)
+        elif isinstance(error, (ValueError, TypeError, OSError)):
+            message = f"{error}"
+        else:
+            message = f"{type(error).__name__}: {error} (set SPECDEC_DEBUG=1 to see the traceback)"
+        print(f"{subparser_prog}: error: {message}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

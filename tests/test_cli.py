@@ -1,0 +1,255 @@
+"""The ``specdec`` command line: every subcommand on small inputs, bad paths and bad options."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec import data
+from specdec.cli import main
+
+from models import perturbed_copy, tiny_llama
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory) -> tuple[str, str]:
+    """A tiny random verifier (with the tokenizer) and a perturbed drafter, saved with save_pretrained."""
+    root = tmp_path_factory.mktemp("pair")
+    tokenizer = data.build_char_tokenizer()
+    verifier = tiny_llama(vocab_size=len(tokenizer), hidden_size=32, num_layers=1, seed=0)
+    drafter = perturbed_copy(verifier, noise=0.5, seed=1)
+    verifier.save_pretrained(root / "verifier")
+    tokenizer.save_pretrained(root / "verifier")
+    drafter.save_pretrained(root / "drafter")
+    return str(root / "verifier"), str(root / "drafter")
+
+
+@pytest.fixture(scope="module")
+def tasks_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tasks") / "tasks.jsonl"
+    suite = data.synthetic_task_suite(3, seed=0, tasks=["count", "copy"])
+    rows = [{"task": task, "prompt": ex.prompt, "text": ex.text} for task, examples in suite.items()
+            for ex in examples]
+    path.write_text("\n".join(json.dumps(row, ensure_ascii=False) for row in rows) + "\n", encoding="utf-8")
+    return path
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# ------------------------------------------------------------------------------------------------------- top level
+def test_help_lists_every_subcommand(capsys):
+    code, out, _ = run_cli(capsys, "--help")
+    assert code == 0
+    for command in ("generate", "evaluate", "finetune", "bench", "demo", "exit codes"):
+        assert command in out
+    for command in ("generate", "evaluate", "finetune", "bench", "demo"):
+        code, out, _ = run_cli(capsys, command, "--help")
+        assert code == 0 and "usage: specdec " + command in out
+
+
+def test_no_command_and_unknown_command_are_usage_errors(capsys):
+    assert run_cli(capsys)[0] == 2
+    code, _, err = run_cli(capsys, "translate")
+    assert code == 2 and "invalid choice" in err
+
+
+def test_python_dash_m_and_no_traceback(tmp_path):
+    env = {**os.environ, "SPECDEC_DEBUG": ""}
+    ok = subprocess.run([sys.executable, "-m", "specdec", "--version"], capture_output=True, text=True, env=env)
+    assert ok.returncode == 0 and "specdec" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "specdec", "evaluate", "--verifier", "v", "--drafter", "d", "--tasks",
+                          str(tmp_path / "missing.jsonl")], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2
+    assert "no such file or folder" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# -------------------------------------------------------------------------------------------------------- generate
+def test_generate_prompts_greedy_matches_the_verifier(capsys, pair_dirs):
+    verifier_dir, drafter_dir = pair_dirs
+    code, out, err = run_cli(capsys, "generate", "--verifier", verifier_dir, "--drafter", drafter_dir, "--prompt",
+                             "count 3:", "--prompt", "copy abc|", "-k", "2", "--max-new-tokens", "6", "--json")
+    assert code == 0, err
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [r["prompt"] for r in records] == ["count 3:", "copy abc|"]
+    assert "tokens per verifier call" in err
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(verifier_dir)
+    verifier = AutoModelForCausalLM.from_pretrained(verifier_dir).eval()
+    ids = tokenizer("count 3:", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        reference = verifier.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                                      pad_token_id=tokenizer.pad_token_id)
+    expected = tokenizer.decode(reference[0, ids.shape[1]:], skip_special_tokens=True)
+    assert records[0]["completion"] == expected
+
+
+def test_generate_prompts_file_and_sampling_options(capsys, pair_dirs, tmp_path):
+    verifier_dir, drafter_dir = pair_dirs
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the fox\n1+2=3;\n", encoding="utf-8")
+    code, out, err = run_cli(capsys, "generate", "--verifier", verifier_dir, "--drafter", drafter_dir,
+                             "--prompts-file", str(prompts), "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9",
+                             "--seed", "3", "--max-new-tokens", "4", "--batch-size", "1", "--dtype", "float32")
+    assert code == 0, err
+    assert "### prompt 1: 'the fox'" in out and "### prompt 2" in out and "2 prompt(s)" in out
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--top-p", "1.5"], "--top-p"),
+    (["--temperature", "-1"], "--temperature"),
+    (["-k", "0"], "-k/--num-draft-tokens"),
+    (["--frobnicate"], "unrecognized arguments"),
+    (["--dtype", "float8"], "--dtype"),
+])
+def test_generate_bad_options(capsys, pair_dirs, options, message):
+    verifier_dir, drafter_dir = pair_dirs
+    code, _, err = run_cli(capsys, "generate", "--verifier", verifier_dir, "--drafter", drafter_dir, "--prompt", "a",
+                           *options)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_generate_bad_paths(capsys, pair_dirs, tmp_path):
+    verifier_dir, _ = pair_dirs
+    code, _, err = run_cli(capsys, "generate", "--verifier", verifier_dir, "--drafter", str(tmp_path / "nope"),
+                           "--prompt", "a")
+    assert code == 2 and "--drafter" in err and "nope" in err
+    code, _, err = run_cli(capsys, "generate", "--verifier", verifier_dir, "--drafter", verifier_dir,
+                           "--prompts-file", str(tmp_path / "absent.txt"))
+    assert code == 2 and "absent.txt" in err
+    code, _, err = run_cli(capsys, "generate", "--verifier", "nobody/no-such-model", "--drafter", verifier_dir,
+                           "--prompt", "a")
+    assert code == 1 and "offline" in err and "Traceback" not in err
+
+
+# -------------------------------------------------------------------------------------------------------- evaluate
+def test_evaluate_writes_the_report(capsys, pair_dirs, tasks_file, tmp_path):
+    verifier_dir, drafter_dir = pair_dirs
+    out_dir = tmp_path / "report"
+    code, out, err = run_cli(capsys, "evaluate", "--verifier", verifier_dir, "--drafter", drafter_dir, "--tasks",
+                             str(tasks_file), "--max-new-tokens", "4", "--cost-ratio", "0.5", "--no-progress",
+                             "--output-dir", str(out_dir))
+    assert code == 0, err
+    assert "| count |" in out and "| copy |" in out and "U_ce" in out
+    for name in ("report.md", "report.json", "report.png"):
+        assert (out_dir / name).stat().st_size > 0
+    assert {row["name"] for row in json.loads((out_dir / "report.json").read_text())["tasks"]} == {"count", "copy"}
+
+
+def test_evaluate_tsv_and_mgsm_folder(capsys, pair_dirs, tmp_path):
+    verifier_dir, drafter_dir = pair_dirs
+    folder = tmp_path / "mgsm"
+    folder.mkdir()
+    (folder / "mgsm_la.tsv").write_text("the fox sees a cat.\tyes\ncount 4:\t5\n", encoding="utf-8")
+    (folder / "mgsm_cy.tsv").write_text("тхе фож.\tда\n", encoding="utf-8")
+    common = ["--verifier", verifier_dir, "--drafter", drafter_dir, "--max-new-tokens", "3", "--cost-ratio", "0.5",
+              "--no-progress"]
+    code, out, err = run_cli(capsys, "evaluate", "--tasks", str(folder), *common)
+    assert code == 0, err
+    assert "| la |" in out and "| cy |" in out
+    tsv = tmp_path / "mixed.tsv"
+    tsv.write_text("task\ttext\na\tcount 1: 2 3\nb\tcopy ab|ab.\n", encoding="utf-8")
+    code, out, err = run_cli(capsys, "evaluate", "--tasks", str(tsv), *common)
+    assert code == 0, err
+    assert "| a |" in out and "| b |" in out
+
+
+def test_evaluate_bad_inputs(capsys, pair_dirs, tmp_path):
+    verifier_dir, drafter_dir = pair_dirs
+    common = ["--verifier", verifier_dir, "--drafter", drafter_dir]
+    code, _, err = run_cli(capsys, "evaluate", *common, "--tasks", str(tmp_path / "missing.jsonl"))
+    assert code == 2 and "no such file" in err
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"task": "a", "text": "ok"}\n{oops\n', encoding="utf-8")
+    code, _, err = run_cli(capsys, "evaluate", *common, "--tasks", str(broken))
+    assert code == 1 and "broken.jsonl:2" in err and "Traceback" not in err
+    code, _, err = run_cli(capsys, "evaluate", *common, "--tasks", str(broken), "--max-examples", "zero")
+    assert code == 2 and "--max-examples" in err
+
+
+# -------------------------------------------------------------------------------------------------------- finetune
+def test_finetune_saves_a_loadable_drafter(capsys, pair_dirs, tasks_file, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    verifier_dir, drafter_dir = pair_dirs
+    out_dir = tmp_path / "drafter-scdf"
+    code, out, err = run_cli(capsys, "finetune", "--verifier", verifier_dir, "--drafter", drafter_dir, "--tasks",
+                             str(tasks_file), "--steps", "2", "--batch-size-per-task", "2", "--seq-len", "16",
+                             "--output", str(out_dir), "--no-progress", "--method", "scdf", "--weight-basis", "kl")
+    assert code == 0, err
+    assert "saved the finetuned drafter" in out and "U (kl)" in out
+    finetuned = AutoModelForCausalLM.from_pretrained(out_dir, local_files_only=True)
+    original = AutoModelForCausalLM.from_pretrained(drafter_dir, local_files_only=True)
+    assert any(not torch.equal(a, b) for a, b in zip(finetuned.parameters(), original.parameters(), strict=True))
+    # A non-empty output folder is refused unless --overwrite.
+    code, _, err = run_cli(capsys, "finetune", "--verifier", verifier_dir, "--drafter", drafter_dir, "--tasks",
+                           str(tasks_file), "--steps", "1", "--output", str(out_dir), "--no-progress")
+    assert code == 2 and "--overwrite" in err
+
+
+def test_finetune_bad_inputs(capsys, pair_dirs, tasks_file, tmp_path):
+    verifier_dir, drafter_dir = pair_dirs
+    common = ["--verifier", verifier_dir, "--drafter", drafter_dir, "--output", str(tmp_path / "o")]
+    code, _, err = run_cli(capsys, "finetune", *common, "--tasks", str(tasks_file), "--method", "magic")
+    assert code == 2 and "--method" in err
+    code, _, err = run_cli(capsys, "finetune", *common, "--tasks", str(tmp_path / "none.tsv"))
+    assert code == 2 and "none.tsv" in err
+    code, _, err = run_cli(capsys, "finetune", *common, "--tasks", str(tasks_file), "--lr", "0")
+    assert code == 2 and "--lr" in err
+
+
+# ----------------------------------------------------------------------------------------------------------- bench
+def test_bench_dry_run_lists_the_scripts(capsys):
+    code, out, err = run_cli(capsys, "bench", "--dry-run", "--quick")
+    assert code == 0, err
+    assert "bench_rejection.py --quick" in out and "bench_divergence.py --quick" in out
+    code, out, _ = run_cli(capsys, "bench", "divergence", "--dry-run", "--", "--sweep")
+    assert code == 0 and "bench_divergence.py --sweep" in out and "bench_rejection" not in out
+
+
+def test_bench_without_gpu_explains_and_cpu_smoke_runs(capsys):
+    if not torch.cuda.is_available():
+        code, _, err = run_cli(capsys, "bench")
+        assert code == 1 and "no CUDA device" in err and "--cpu-smoke" in err
+    code, out, err = run_cli(capsys, "bench", "--cpu-smoke")
+    assert code == 0, err
+    assert "| divergence |" in out and "rejection_sample" in out
+
+
+def test_bench_bad_inputs(capsys, tmp_path):
+    assert run_cli(capsys, "bench", "everything")[0] == 2
+    code, _, err = run_cli(capsys, "bench", "--benchmarks-dir", str(tmp_path / "nowhere"))
+    assert code == 2 and "nowhere" in err
+    code, _, err = run_cli(capsys, "bench", "--benchmarks-dir", str(tmp_path), "--dry-run")
+    assert code == 1 and "benchmark script not found" in err
+
+
+# ------------------------------------------------------------------------------------------------------------ demo
+def test_demo_quick_writes_where_asked(capsys, tmp_path):
+    out_dir, cache_dir = tmp_path / "report", tmp_path / "cache"
+    code, out, err = run_cli(capsys, "demo", "--quick", "--no-progress", "--no-baselines", "--output-dir",
+                             str(out_dir), "--cache-dir", str(cache_dir))
+    assert code == 0, err
+    assert (out_dir / "report.md").is_file() and "Fairness after s-CDF" in out
+    assert any(cache_dir.glob("demo-pair-*/pair.json"))
+
+
+def test_demo_refuses_the_source_tree_and_bad_options(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "demo", "--quick", "--output-dir", str(REPO_ROOT / "specdec" / "report"),
+                           "--cache-dir", str(tmp_path))
+    assert code == 2 and "source tree" in err
+    assert not (REPO_ROOT / "specdec" / "report").exists()
+    code, _, err = run_cli(capsys, "demo", "--finetune-steps", "-3")
+    assert code == 2 and "--finetune-steps" in err

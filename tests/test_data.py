@@ -1,0 +1,176 @@
+"""The built-in task suite, the character tokenizer and the task-file loaders (specdec.data)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec import data
+from specdec.fairness import TaskData
+
+
+def test_suite_is_deterministic_and_seeded():
+    first = data.synthetic_task_suite(5, seed=3)
+    again = data.synthetic_task_suite(5, seed=3)
+    other = data.synthetic_task_suite(5, seed=4)
+    assert first == again
+    assert first != other
+    assert set(first) == set(data.TASK_NAMES)
+    assert data.generate_examples("copy", 4, split="train") != data.generate_examples("copy", 4, split="eval")
+
+
+def test_tasks_have_their_structure():
+    for task, examples in data.synthetic_task_suite(20, seed=0).items():
+        for ex in examples:
+            assert ex.prompt and ex.continuation and ex.text == ex.prompt + ex.continuation
+            if task == "copy":
+                word = ex.prompt.removeprefix("copy ").removesuffix("|")
+                assert ex.continuation == word + "."
+            elif task == "reverse":
+                word = ex.prompt.removeprefix("reverse ").removesuffix("|")
+                assert ex.continuation == word[::-1] + "."
+            elif task == "count":
+                start = int(ex.prompt.removeprefix("count ").removesuffix(":"))
+                numbers = [int(n) for n in ex.continuation.rstrip(".").split()]
+                assert numbers == list(range(start + 1, start + 1 + len(numbers)))
+            elif task == "arithmetic":
+                for step in ex.text.rstrip(";").split(";"):
+                    left, total = step.split("=")
+                    a, b = left.split("+")
+                    assert int(a) + int(b) == int(total)
+    latin = data.generate_examples("grammar_latin", 6, seed=1)
+    cyrillic = data.generate_examples("grammar_cyrillic", 6, seed=1)
+    assert all(not any("a" <= c <= "z" for c in ex.text) for ex in cyrillic)
+    assert data.transliterate_to_cyrillic("the fox.") == "тхе фож."
+    assert len(set(data.LATIN_TO_CYRILLIC.values())) == 26  # one-to-one
+    assert all(ex.text.endswith(".") for ex in latin)
+
+
+def test_skewed_mixture_apportions_exactly():
+    examples = data.sample_mixture(data.SKEWED_MIXTURE, 1000, seed=0)
+    counts = {task: sum(ex.task == task for ex in examples) for task in data.TASK_NAMES}
+    assert len(examples) == 1000
+    assert counts["grammar_cyrillic"] == 10 and counts["reverse"] == 30
+    assert data.sample_mixture(data.SKEWED_MIXTURE, 50, seed=1) == data.sample_mixture(data.SKEWED_MIXTURE, 50, seed=1)
+    with pytest.raises(ValueError, match="unknown built-in task"):
+        data.sample_mixture({"poetry": 1.0}, 10)
+    with pytest.raises(ValueError, match="non-negative"):
+        data.sample_mixture({"copy": -1.0}, 10)
+
+
+def test_char_tokenizer_round_trip(tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = data.build_char_tokenizer()
+    text = data.generate_examples("grammar_cyrillic", 1)[0].text + " 12+3=15;"
+    encoded = tokenizer(text)["input_ids"]
+    assert encoded[0] == tokenizer.bos_token_id and len(encoded) == len(text) + 1
+    assert tokenizer.decode(encoded, skip_special_tokens=True) == text
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
+    assert tokenizer("Ω")["input_ids"][1] == tokenizer.unk_token_id
+    batch = tokenizer(["ab", "abcd"], padding=True)
+    assert batch["input_ids"][0][:2] == [0, 0]  # left padding for generation
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert reloaded(text)["input_ids"] == encoded
+    assert reloaded.decode(encoded, skip_special_tokens=True) == text
+    assert len(reloaded) == len(tokenizer)
+
+
+def test_suite_to_task_data():
+    tasks = data.suite_to_task_data(data.synthetic_task_suite(3))
+    assert isinstance(tasks["copy"], TaskData)
+    assert len(tasks["copy"].prompts) == len(tasks["copy"].texts) == 3
+
+
+def test_load_jsonl(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    rows = [{"task": "en", "prompt": "Q: 1+1?", "text": "Q: 1+1? A: 2"}, {"task": "de", "text": "F: 2+2? A: 4"},
+            {"task": "de", "prompt": "F: 3+3?", "completion": " A: 6"}]
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n\n", encoding="utf-8")
+    tasks = data.load_tasks(path)
+    assert set(tasks) == {"en", "de"}
+    assert tasks["en"].prompts == ["Q: 1+1?"] and tasks["en"].texts == ["Q: 1+1? A: 2"]
+    assert tasks["de"].prompts == ["F: 3+3?"] and tasks["de"].texts == ["F: 2+2? A: 4", "F: 3+3? A: 6"]
+    assert data.load_tasks(path, max_examples=1)["de"].texts == ["F: 2+2? A: 4"]
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "not valid JSON"),
+    ('{"prompt": "x"}', "'task'"),
+    ('{"task": "a"}', "'prompt' or 'text'"),
+    ('["a"]', "JSON object"),
+    ('{"task": "a", "text": 3}', "must be a string"),
+])
+def test_load_jsonl_errors_name_the_line(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"task": "ok", "text": "fine"}\n' + line + "\n", encoding="utf-8")
+    with pytest.raises(data.TaskFileError, match=message) as error:
+        data.load_tasks(path)
+    assert "bad.jsonl:2" in str(error.value)
+
+
+def test_load_tsv_both_layouts(tmp_path):
+    with_header = tmp_path / "mixed.tsv"
+    with_header.write_text("task\ttext\nen\thello there\nfr\tbonjour\n", encoding="utf-8")
+    tasks = data.load_tasks(with_header)
+    assert tasks["en"].texts == ["hello there"] and tasks["fr"].texts == ["bonjour"]
+    qa = tmp_path / "gsm_en.tsv"
+    qa.write_text('What is "2+2"?\t4\nAnd 3+3?\t6\n', encoding="utf-8")
+    tasks = data.load_tasks(qa)
+    assert list(tasks) == ["gsm_en"]
+    assert tasks["gsm_en"].prompts == ['What is "2+2"?', "And 3+3?"]
+    assert tasks["gsm_en"].texts[0] == 'What is "2+2"?' + data.QA_SEPARATOR + "4"
+
+
+def test_load_tsv_errors(tmp_path):
+    one_column = tmp_path / "one.tsv"
+    one_column.write_text("just a question\n", encoding="utf-8")
+    with pytest.raises(data.TaskFileError, match="question<TAB>answer"):
+        data.load_tasks(one_column)
+    empty = tmp_path / "empty.tsv"
+    empty.write_text("", encoding="utf-8")
+    with pytest.raises(data.TaskFileError, match="empty"):
+        data.load_tasks(empty)
+    short_row = tmp_path / "short.tsv"
+    short_row.write_text("task\ttext\nen\n", encoding="utf-8")
+    with pytest.raises(data.TaskFileError, match="short.tsv:2"):
+        data.load_tasks(short_row)
+
+
+def test_load_mgsm_folder(tmp_path):
+    folder = tmp_path / "mgsm"
+    folder.mkdir()
+    (folder / "mgsm_en.tsv").write_text("Two plus two?\t4\nThree plus three?\t6\n", encoding="utf-8")
+    (folder / "mgsm_ru.tsv").write_text("Два плюс два?\t4\n", encoding="utf-8")
+    (folder / "README.md").write_text("not a task", encoding="utf-8")
+    tasks = data.load_tasks(folder)
+    assert sorted(tasks) == ["en", "ru"]
+    assert tasks["ru"].prompts == ["Два плюс два?"]
+    assert tasks["en"].texts == ["Two plus two?\n4", "Three plus three?\n6"]
+    empty = tmp_path / "nothing"
+    empty.mkdir()
+    with pytest.raises(data.TaskFileError, match="<name>_<lang>.tsv"):
+        data.load_tasks(empty)
+
+
+def test_missing_and_unsupported_paths(tmp_path):
+    with pytest.raises(data.TaskFileError, match="not found"):
+        data.load_tasks(tmp_path / "absent.jsonl")
+    other = tmp_path / "tasks.csv"
+    other.write_text("a,b\n", encoding="utf-8")
+    with pytest.raises(data.TaskFileError, match="unsupported"):
+        data.load_tasks(other)
+
+
+def test_read_prompts_file(tmp_path):
+    plain = tmp_path / "prompts.txt"
+    plain.write_text("count 3:\n\nline one\\nline two\n", encoding="utf-8")
+    assert data.read_prompts_file(plain) == ["count 3:", "line one\nline two"]
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text('{"prompt": "a"}\n{"prompt": "b"}\n', encoding="utf-8")
+    assert data.read_prompts_file(jsonl) == ["a", "b"]
+    jsonl.write_text('{"text": "a"}\n', encoding="utf-8")
+    with pytest.raises(data.TaskFileError, match="'prompt' field"):
+        data.read_prompts_file(jsonl)

@@ -1,0 +1,119 @@
+"""The offline demo in quick mode: where it writes, its cache, and its refusal to write into the source tree."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from specdec import demo
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEMO_ARTIFACTS = ("report.md", "report.json", "speedup_by_task.png", "fairness_before.png", "fairness_after_scdf.png",
+                  "pair.json")
+
+
+def demo_artifacts_in_repo() -> set[Path]:
+    """Files under the checkout that look like demo output (the virtual environment and .git are skipped)."""
+    found = set()
+    for folder, subfolders, files in os.walk(REPO_ROOT):
+        subfolders[:] = [name for name in subfolders if name not in (".git", ".venv", "venv", "__pycache__")]
+        found.update(Path(folder) / name for name in files if name in DEMO_ARTIFACTS)
+        found.update(Path(folder) / name for name in subfolders if name.startswith("demo-pair-"))
+    return found
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("demo")
+    before = demo_artifacts_in_repo()
+    result = demo.run_demo(root / "report", cache_dir=root / "cache", quick=True, progress=False, echo=None)
+    assert demo_artifacts_in_repo() == before, "the demo wrote into the source tree"
+    return root, result
+
+
+def test_report_and_plots_are_written_where_asked(first_run):
+    root, result = first_run
+    assert result.output_dir == (root / "report").resolve()
+    assert result.report_path == result.output_dir / "report.md"
+    text = result.report_path.read_text(encoding="utf-8")
+    assert "# specdec demo report" in text and "## Fairness: s-CDF drafter" in text
+    assert (result.output_dir / "report.json").is_file()
+    assert len(result.plot_paths) == 3
+    for path in result.plot_paths:
+        assert path.parent == result.output_dir
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [row["drafter"] for row in result.comparison] == ["original", "s-CDF"]
+    assert set(result.samples) == set(demo.data.TASK_NAMES)
+    assert {row.name for row in result.before.tasks} == set(demo.data.TASK_NAMES)
+
+
+def test_second_run_reuses_the_cached_pair(first_run, monkeypatch):
+    root, result = first_run
+    assert not result.cache_hit
+    assert (result.pair_dir / demo.PAIR_META_NAME).is_file()
+    assert result.pair_dir.parent == (root / "cache").resolve()
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the cached pair was retrained")
+
+    monkeypatch.setattr(demo, "train_language_model", no_training)
+    again = demo.run_demo(root / "report-2", cache_dir=root / "cache", quick=True, progress=False, echo=None)
+    assert again.cache_hit and again.pair_dir == result.pair_dir
+    assert again.pair_info["cache_key"] == result.pair_info["cache_key"]
+    # Same pair, same seed: the measured figures are reproduced.
+    assert again.before.summary["U_ce"] == pytest.approx(result.before.summary["U_ce"], rel=1e-6)
+
+
+def test_damaged_cache_entry_is_retrained(first_run, tmp_path):
+    _, result = first_run
+    cache = tmp_path / "cache"
+    copied = cache / result.pair_dir.name
+    shutil.copytree(result.pair_dir, copied)
+    shutil.rmtree(copied / "drafter")
+    pair = demo.get_demo_pair(cache, config=demo.default_pair_config(quick=True), progress=False)
+    assert not pair.cache_hit and (copied / "drafter").is_dir()
+
+
+def test_source_tree_is_protected(tmp_path, monkeypatch):
+    for inside in (REPO_ROOT / "specdec" / "demo-out", REPO_ROOT / "demo-out"):
+        with pytest.raises(demo.DemoError, match="source tree"):
+            demo.run_demo(inside, cache_dir=tmp_path, quick=True, progress=False, echo=None)
+        assert not inside.exists()
+    with pytest.raises(demo.DemoError, match="cache"):
+        demo.get_demo_pair(REPO_ROOT / "cache-here", config=demo.default_pair_config(quick=True), progress=False)
+    # The default folder, asked for from inside the checkout, is moved to the cache folder.
+    monkeypatch.chdir(REPO_ROOT)
+    target, note = demo.resolve_output_dir(None, tmp_path)
+    assert target == (tmp_path / demo.DEFAULT_OUTPUT_DIR).resolve() and "source tree" in note
+    monkeypatch.chdir(tmp_path)
+    target, note = demo.resolve_output_dir(None, tmp_path / "cache")
+    assert target == (tmp_path / demo.DEFAULT_OUTPUT_DIR).resolve() and note is None
+
+
+def test_default_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "a"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "b"))
+    assert demo.default_cache_dir() == tmp_path / "a"
+    monkeypatch.delenv("SPECDEC_CACHE")
+    assert demo.default_cache_dir() == tmp_path / "b" / "specdec"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert demo.default_cache_dir() == tmp_path / "home" / ".cache" / "specdec"
+
+
+def test_cache_key_tracks_the_configuration():
+    full, quick = demo.default_pair_config(), demo.default_pair_config(quick=True)
+    assert full.cache_key() == demo.default_pair_config().cache_key()
+    assert len({full.cache_key(), quick.cache_key(), demo.default_pair_config(seed=1).cache_key()}) == 3
+
+
+def test_full_demo_skews_the_drafter_mixture():
+    config = demo.default_pair_config()
+    drafter_mixture, verifier_mixture = dict(config.drafter_training.mixture), dict(config.verifier_training.mixture)
+    assert set(drafter_mixture) == set(verifier_mixture) == set(demo.data.TASK_NAMES)
+    assert max(verifier_mixture.values()) == pytest.approx(min(verifier_mixture.values()))
+    assert min(drafter_mixture.values()) < 0.1 * max(drafter_mixture.values())
+    assert config.drafter.hidden_size < config.verifier.hidden_size
