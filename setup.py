@@ -19,6 +19,7 @@ setup(
         "numpy>=1.24",
         "tqdm>=4.60",
         "safetensors>=0.4",
+        "tokenizers>=0.19",
         "matplotlib>=3.7",
         "scipy>=1.10",
     ],
