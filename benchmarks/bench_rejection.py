@@ -17,6 +17,7 @@ Providers (``provider`` column):
 the kernel actually reads on these inputs (early exit and the race's re-read of the stop row included).
 
 Usage: python benchmarks/bench_rejection.py [--quick] [--out benchmarks/results] [--max-seconds 420]
+       [--dtypes bf16] [--shapes 151936:1:4,32000:8:1,...] (V:B:K triples) [--tag _v3] (CSV name suffix)
 """
 
 from __future__ import annotations
@@ -117,6 +118,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="V = 151936 only")
     parser.add_argument("--vocabs", default="", help="comma-separated vocabulary sizes (default: all)")
     parser.add_argument("--max-seconds", type=float, default=1e9, help="stop starting new shapes after this")
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated subset of bf16,fp32")
+    parser.add_argument("--shapes", default="", help="comma-separated V:B:K triples (default: the full grid)")
+    parser.add_argument("--tag", default="", help="suffix of the CSV name, e.g. _v3")
     parser.add_argument("--providers", default="specdec,specdec_split,specdec_seq,torch_eager,torch_compile,"
                                                "flashinfer,flashinfer_kernel")
     args = parser.parse_args()
@@ -125,7 +129,7 @@ def main() -> None:
     env = environment()
     gpu_tag = env["gpu"].replace("NVIDIA ", "").replace(" ", "_").replace("/", "_")
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"rejection_{gpu_tag}.csv")
+    path = os.path.join(args.out, f"rejection_{gpu_tag}{args.tag}.csv")
     copy_gbps = measure_copy_bandwidth()
     props = torch.cuda.get_device_properties(0)
     l2_bytes = getattr(props, "L2_cache_size", 50 << 20)
@@ -141,107 +145,111 @@ def main() -> None:
     vocabs = (151936,) if args.quick else VOCABS
     if args.vocabs:
         vocabs = tuple(int(v) for v in args.vocabs.split(","))
+    dtype_names = [name for name in args.dtypes.split(",") if name]
+    if args.shapes:
+        triples = [tuple(int(x) for x in item.split(":")) for item in args.shapes.split(",") if item]
+        grid = [(name, v, k, b) for name in dtype_names for v, b, k in triples]
+    else:
+        grid = [(name, v, k, b) for name in dtype_names for v in vocabs for k in DRAFTS for b in BATCHES]
     with open(path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=FIELDS)
         writer.writeheader()
-        for dtype_name, dtype in DTYPES.items():
+        for dtype_name, vocab, num_drafts, batch in grid:
+            dtype = DTYPES[dtype_name]
             esize = torch.tensor([], dtype=dtype).element_size()
-            for vocab in vocabs:
-                for num_drafts in DRAFTS:
-                    for batch in BATCHES:
-                        if time.time() - t_start > args.max_seconds:
-                            print(f"# time budget reached, skipping {dtype_name} V={vocab} K={num_drafts} B={batch}")
-                            continue
-                        set_bytes = batch * (2 * num_drafts + 1) * vocab * esize
-                        n_sets = max(1, min(16, math.ceil(2 * l2_bytes / set_bytes)))
-                        sets = [make_inputs(batch, num_drafts, vocab, dtype, seed=s) for s in range(n_sets)]
-                        s0 = sets[0]
-                        ref = rejection_sample_reference(s0["target"], s0["draft"], s0["drafts"], s0["seeds"],
-                                                         s0["offsets"], TEMPERATURE)
-                        lp = torch.log_softmax(s0["target"][:, :num_drafts].float(), -1)
-                        lq = torch.log_softmax(s0["draft"].float(), -1)
-                        alpha = float(torch.minimum(lp, lq).exp().sum(-1).mean())
-                        del lp, lq
-                        logical = set_bytes
-                        if "flashinfer_kernel" in providers and fs is not None:
-                            for s in sets:
-                                s["tp"] = torch.softmax(s["target"].float() / TEMPERATURE, -1)
-                                s["dp"] = torch.softmax(s["draft"].float() / TEMPERATURE, -1)
-                                s["d32"] = s["drafts"].to(torch.int32)
-                        elif fs is not None:
-                            for s in sets:
-                                s["d32"] = s["drafts"].to(torch.int32)
+            if time.time() - t_start > args.max_seconds:
+                print(f"# time budget reached, skipping {dtype_name} V={vocab} K={num_drafts} B={batch}")
+                continue
+            set_bytes = batch * (2 * num_drafts + 1) * vocab * esize
+            n_sets = max(1, min(16, math.ceil(2 * l2_bytes / set_bytes)))
+            sets = [make_inputs(batch, num_drafts, vocab, dtype, seed=s) for s in range(n_sets)]
+            s0 = sets[0]
+            ref = rejection_sample_reference(s0["target"], s0["draft"], s0["drafts"], s0["seeds"],
+                                             s0["offsets"], TEMPERATURE)
+            lp = torch.log_softmax(s0["target"][:, :num_drafts].float(), -1)
+            lq = torch.log_softmax(s0["draft"].float(), -1)
+            alpha = float(torch.minimum(lp, lq).exp().sum(-1).mean())
+            del lp, lq
+            logical = set_bytes
+            if "flashinfer_kernel" in providers and fs is not None:
+                for s in sets:
+                    s["tp"] = torch.softmax(s["target"].float() / TEMPERATURE, -1)
+                    s["dp"] = torch.softmax(s["draft"].float() / TEMPERATURE, -1)
+                    s["d32"] = s["drafts"].to(torch.int32)
+            elif fs is not None:
+                for s in sets:
+                    s["d32"] = s["drafts"].to(torch.int32)
 
-                        def fn_for(provider, s, batch=batch, num_drafts=num_drafts, vocab=vocab):
-                            args_ = (s["target"], s["draft"], s["drafts"], s["seeds"], s["offsets"], TEMPERATURE)
-                            if provider.startswith("specdec"):
-                                strategy = {"specdec": "auto", "specdec_split": "split",
-                                            "specdec_seq": "seq"}[provider]
-                                return lambda: rejection_sample_triton(*args_, strategy=strategy)
-                            if provider == "torch_eager":
-                                return lambda: rejection_sample_reference(*args_)
-                            if provider == "torch_compile":
-                                return lambda: compiled(*args_)
-                            if provider == "flashinfer":
-                                def full():
-                                    tp = fs.softmax(s["target"].view(-1, vocab), temperature=TEMPERATURE)
-                                    dp = fs.softmax(s["draft"].view(-1, vocab), temperature=TEMPERATURE)
-                                    return fs.chain_speculative_sampling(
-                                        dp.view(batch, num_drafts, vocab), s["d32"],
-                                        tp.view(batch, num_drafts + 1, vocab))
-                                return full
-                            if provider == "flashinfer_kernel":
-                                return lambda: fs.chain_speculative_sampling(s["dp"], s["d32"], s["tp"])
-                            raise ValueError(provider)
+            def fn_for(provider, s, batch=batch, num_drafts=num_drafts, vocab=vocab):
+                args_ = (s["target"], s["draft"], s["drafts"], s["seeds"], s["offsets"], TEMPERATURE)
+                if provider.startswith("specdec"):
+                    strategy = {"specdec": "auto", "specdec_split": "split",
+                                "specdec_seq": "seq"}[provider]
+                    return lambda: rejection_sample_triton(*args_, strategy=strategy)
+                if provider == "torch_eager":
+                    return lambda: rejection_sample_reference(*args_)
+                if provider == "torch_compile":
+                    return lambda: compiled(*args_)
+                if provider == "flashinfer":
+                    def full():
+                        tp = fs.softmax(s["target"].view(-1, vocab), temperature=TEMPERATURE)
+                        dp = fs.softmax(s["draft"].view(-1, vocab), temperature=TEMPERATURE)
+                        return fs.chain_speculative_sampling(
+                            dp.view(batch, num_drafts, vocab), s["d32"],
+                            tp.view(batch, num_drafts + 1, vocab))
+                    return full
+                if provider == "flashinfer_kernel":
+                    return lambda: fs.chain_speculative_sampling(s["dp"], s["d32"], s["tp"])
+                raise ValueError(provider)
 
-                        for provider in providers:
-                            if provider.startswith("flashinfer") and fs is None:
-                                row = dict(note=fi_note)
-                                med = p20 = p80 = float("nan")
-                                timing = "not run"
-                            else:
-                                note = ""
-                                fns = [fn_for(provider, s) for s in sets]
-                                try:
-                                    med, p20, p80 = time_graph(fns)
-                                    timing = "cuda_graph"
-                                except Exception as exc:
-                                    torch.cuda.synchronize()
-                                    note = f"graph capture failed ({type(exc).__name__}); do_bench"
-                                    try:
-                                        med, p20, p80 = time_do_bench(fns)
-                                        timing = "do_bench"
-                                    except Exception as exc2:
-                                        med = p20 = p80 = float("nan")
-                                        timing = "failed"
-                                        note = f"{type(exc2).__name__}: {str(exc2)[:200]}"
-                                row = dict(note=note)
-                            match = ""
-                            read = float("nan")
-                            if provider.startswith("specdec") and timing != "not run":
-                                strategy = {"specdec": "auto", "specdec_split": "split", "specdec_seq": "seq"}[
-                                    provider]
-                                out = rejection_sample_triton(s0["target"], s0["draft"], s0["drafts"], s0["seeds"],
-                                                              s0["offsets"], TEMPERATURE, strategy=strategy)
-                                match = str(bool(torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])))
-                                if match == "False":
-                                    diagnose(s0, out, ref, num_drafts)
-                                used = "split" if strategy == "auto" else strategy
-                                read = bytes_read(used, out[1], num_drafts, vocab, esize)
-                            row.update(kernel="rejection_sample", provider=provider, B=batch, K=num_drafts,
-                                       V=vocab, dtype=dtype_name, median_us=f"{med:.2f}", p20_us=f"{p20:.2f}",
-                                       p80_us=f"{p80:.2f}", gbps=f"{logical / med / 1e3:.1f}",
-                                       gbps_read=f"{read / med / 1e3:.1f}",
-                                       copy_gbps=f"{copy_gbps:.0f}", frac_copy=f"{read / med / 1e3 / copy_gbps:.3f}",
-                                       alpha=f"{alpha:.3f}", timing=timing, match_ref=match, **env)
-                            writer.writerow(row)
-                            handle.flush()
-                            rows.append(row)
-                            print(f"{provider:18s} {dtype_name} B={batch:3d} K={num_drafts} V={vocab:6d} "
-                                  f"{med:9.1f} us  [{p20:.1f}, {p80:.1f}]  {timing} {match} {row.get('note', '')}",
-                                  flush=True)
-                        del sets, s0, ref
-                        torch.cuda.empty_cache()
+            for provider in providers:
+                if provider.startswith("flashinfer") and fs is None:
+                    row = dict(note=fi_note)
+                    med = p20 = p80 = float("nan")
+                    timing = "not run"
+                else:
+                    note = ""
+                    fns = [fn_for(provider, s) for s in sets]
+                    try:
+                        med, p20, p80 = time_graph(fns)
+                        timing = "cuda_graph"
+                    except Exception as exc:
+                        torch.cuda.synchronize()
+                        note = f"graph capture failed ({type(exc).__name__}); do_bench"
+                        try:
+                            med, p20, p80 = time_do_bench(fns)
+                            timing = "do_bench"
+                        except Exception as exc2:
+                            med = p20 = p80 = float("nan")
+                            timing = "failed"
+                            note = f"{type(exc2).__name__}: {str(exc2)[:200]}"
+                    row = dict(note=note)
+                match = ""
+                read = float("nan")
+                if provider.startswith("specdec") and timing != "not run":
+                    strategy = {"specdec": "auto", "specdec_split": "split", "specdec_seq": "seq"}[
+                        provider]
+                    out = rejection_sample_triton(s0["target"], s0["draft"], s0["drafts"], s0["seeds"],
+                                                  s0["offsets"], TEMPERATURE, strategy=strategy)
+                    match = str(bool(torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])))
+                    if match == "False":
+                        diagnose(s0, out, ref, num_drafts)
+                    used = "split" if strategy == "auto" else strategy
+                    read = bytes_read(used, out[1], num_drafts, vocab, esize)
+                row.update(kernel="rejection_sample", provider=provider, B=batch, K=num_drafts,
+                           V=vocab, dtype=dtype_name, median_us=f"{med:.2f}", p20_us=f"{p20:.2f}",
+                           p80_us=f"{p80:.2f}", gbps=f"{logical / med / 1e3:.1f}",
+                           gbps_read=f"{read / med / 1e3:.1f}",
+                           copy_gbps=f"{copy_gbps:.0f}", frac_copy=f"{read / med / 1e3 / copy_gbps:.3f}",
+                           alpha=f"{alpha:.3f}", timing=timing, match_ref=match, **env)
+                writer.writerow(row)
+                handle.flush()
+                rows.append(row)
+                print(f"{provider:18s} {dtype_name} B={batch:3d} K={num_drafts} V={vocab:6d} "
+                      f"{med:9.1f} us  [{p20:.1f}, {p80:.1f}]  {timing} {match} {row.get('note', '')}",
+                      flush=True)
+            del sets, s0, ref
+            torch.cuda.empty_cache()
     summarize(rows, env, copy_gbps)
     print(f"# wrote {path} in {time.time() - t_start:.0f} s")
 

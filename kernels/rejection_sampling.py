@@ -14,13 +14,22 @@ Mathematics (per row ``b``, position ``j``; ``s_b = 1/T`` for sampled rows and `
     log p_j(x) = s_b * target[b, j, x] - L_t[j],   log q_j(x) = s_b * draft[b, j, x] - L_d[j]
     accept_j  = q_j(x_j) > 0  and  log u_j + log q_j(x_j) <= log p_j(x_j),  u_j = U(seed_b, off_b + j, ACCEPT)
     stop      = first j < n_b that is rejected, else n_b               (= num_accepted)
-    next      = argmax_x log(max(0, p_stop(x) - q_stop(x))) - log(-log U(seed_b, off_b + stop, x))   if rejected
-                (the race falls back to p when the residual is zero everywhere)
+    m         = sum_x max(0, p_stop(x) - q_stop(x))            residual mass = TV(p, q) = P(reject at stop)
+    next      = argmax_x log(max(0, p_stop(x) - q_stop(x))) - log(-log U(seed_b, off_b + stop, x))
+                                                                        if rejected and m > RESIDUAL_MASS_EPS
               = argmax_x s_b * target[b, stop, x] - log(-log U(...))                                  otherwise
     greedy rows: accept_j = (x_j == argmax_x target[b, j, x]) (lowest id on ties), next = that argmax at ``stop``.
 
 The exponential race (Gumbel-max) needs no normalised residual and decomposes over vocabulary tiles: each tile
-keeps its best (score, lowest id), tiles and programs combine with ``>`` in id order.
+keeps its best (score, lowest id), tiles and programs combine with ``>`` in id order. The residual mass ``m`` is
+accumulated lane-wise in the same pass (per-program partial sums, added up by the finalize kernel in "split").
+
+**Residual-mass threshold** (:data:`~specdec.kernels.rejection_sampling_reference.RESIDUAL_MASS_EPS` = 1e-6,
+shared with the reference): when ``q == p`` up to rounding the residual is fp32 noise whose support depends on the
+order of operations, so "fall back to ``p`` only if the residual is exactly 0" made the kernel and the reference
+disagree. Both now race on the residual only when its mass exceeds 1e-6, and on ``p`` otherwise. Cost to
+losslessness: the output distribution moves by at most ``m <= 1e-6`` in total variation, and only at positions
+whose rejection probability ``m`` was ``<= 1e-6``; elsewhere the sampler is exactly lossless.
 
 Two launch strategies compute the same function:
 
@@ -30,7 +39,8 @@ Two launch strategies compute the same function:
   row's last draft are skipped. (2) ``_race_kernel``, grid ``(B, S2)``: every program combines the partials of its
   row (vectorised over positions), runs the accept tests, finds the stop position, then runs the exponential race
   on its vocabulary chunk of the stop row only (and, with ``compute_scores``, partial alpha sums for all
-  positions). (3) ``_finalize_kernel``, grid ``(B,)``: combines the race winners and writes the outputs.
+  positions). (3) ``_finalize_kernel``, grid ``(B,)``: combines the race winners and the partial residual
+  masses, and writes the outputs.
   Splitting the vocabulary keeps every SM busy at B = 1.
 * ``"seq"`` (opt-in; never faster on an H200, see ``benchmarks/NOTES_rejection.md``): one launch, one program per
   row, positions in order with **early exit**: rows past the first rejection are never read. Bytes read are about
@@ -51,6 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .rejection_sampling_reference import RESIDUAL_MASS_EPS
 from .rng import stream_keys_tl, uniform_from_keys_tl
 
 __all__ = ["rejection_sample_triton"]
@@ -103,12 +114,30 @@ def _argmax_update(best_v, best_i, x, offs, V):
 
 
 @triton.jit
-def _race_tile(t, d, lt, ld, rejected, key_a, key_b, offs, best_r, idx_r, best_p, idx_p, V):
+def _residual_mass_terms(t, d, p, delta):
+    """max(0, p - q) per element, computed as ``p * (1 - q/p)`` with ``q/p = exp(z)``, ``z = (d - t) - delta``.
+
+    ``delta = L_d - L_t`` is passed as ``(m_d - m_t) + log(S_d / S_t)``: no rounded ``L`` (an fp32 number ~10-40
+    whose rounding, up to ~2e-6 relative, would scale all of p against all of q) enters, so when ``q == p`` up to
+    rounding the mass is ~1e-7 or less instead of ~1e-6 (see ``RESIDUAL_MASS_EPS``). ``1 - exp(z)`` uses a
+    cubic series for ``|z| < 1e-2`` (cancellation). ``z`` NaN (both logits -inf) or ``>= 0`` contributes 0.
+    """
+    z = (d - t) - delta
+    series = -z * (1.0 + z * (0.5 + z * (1.0 / 6.0)))
+    one_minus = tl.where(tl.abs(z) < 1e-2, series, 1.0 - tl.exp(z))
+    return tl.where(z < 0.0, p * one_minus, 0.0)
+
+
+@triton.jit
+def _race_tile(t, d, lt, ld, delta, rejected, key_a, key_b, offs, best_r, idx_r, best_p, idx_p, mass, V):
     """One tile of the two exponential races: on the residual max(0, p - q) (only after a rejection) and on p
-    (the scaled target logits: the normaliser does not move the arg-max)."""
+    (the scaled target logits: the normaliser does not move the arg-max). ``mass`` accumulates the residual mass
+    lane-wise ([BLOCK] fp32; reduced once after the loop, no extra barrier per tile)."""
     u = uniform_from_keys_tl(key_a, key_b, offs)
     noise = tl.log(-tl.log(u))
-    resid = tl.exp(t - lt) - tl.exp(d - ld)
+    p = tl.exp(t - lt)
+    resid = p - tl.exp(d - ld)
+    mass += _residual_mass_terms(t, d, p, delta)
     r_score = tl.where(resid > 0.0, tl.log(resid), float("-inf")) - noise
     r_score = tl.where(rejected, r_score, float("-inf"))
     p_score = t - noise
@@ -119,7 +148,7 @@ def _race_tile(t, d, lt, ld, rejected, key_a, key_b, offs, best_r, idx_r, best_p
     tile_pi = tl.min(tl.where(p_score == tile_p, offs, V), axis=0)
     upd_p = tile_p > best_p
     return (tl.where(upd_r, tile_r, best_r), tl.where(upd_r, tile_ri, idx_r),
-            tl.where(upd_p, tile_p, best_p), tl.where(upd_p, tile_pi, idx_p))
+            tl.where(upd_p, tile_p, best_p), tl.where(upd_p, tile_pi, idx_p), mass)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -195,14 +224,14 @@ def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greed
 
 @triton.jit
 def _combine_lse(m, s, axis: tl.constexpr):
-    """Combine partial (max, sum-exp) along ``axis`` into log-sum-exp (-inf for an empty row)."""
+    """Combine partial (max, sum-exp) along ``axis``: (log-sum-exp (-inf for an empty row), max, sum-exp)."""
     mm = tl.max(m, axis=axis)
     safe = tl.where(mm == float("-inf"), 0.0, mm)
     if axis == 1:
         tot = tl.sum(s * tl.exp(m - safe[:, None]), axis=1)
     else:
         tot = tl.sum(s * tl.exp(m - safe[None, :]), axis=0)
-    return mm + tl.log(tot), mm
+    return mm + tl.log(tot), mm, tot
 
 
 @triton.jit
@@ -214,9 +243,9 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
                  BLOCK: tl.constexpr):
     """Accept tests (vectorised over positions), stop position, race over one chunk of the stop row.
 
-    race: [B, S2, 4] fp32 (best residual score, its id, best p score, its id; ids are exact in fp32 for
-    V < 2**24); info: [B, 4] int32 (stop, greedy next token or -1, greedy flag, rejected flag);
-    logprob: [B, K]; alpha_part: [B, K, S2].
+    race: [B, S2, 5] fp32 (best residual score, its id, best p score, its id, partial residual mass over the
+    chunk; ids are exact in fp32 for V < 2**24); info: [B, 4] int32 (stop, greedy next token or -1, greedy
+    flag, rejected flag); logprob: [B, K]; alpha_part: [B, K, S2].
     """
     b = tl.program_id(0)
     split = tl.program_id(1)
@@ -232,9 +261,9 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
     pair = b.to(tl.int64) * (K + 1) + js
     st_off = (pair[:, None] * S + ss[None, :]) * 4
     m2 = jmask[:, None] & smask[None, :]
-    lt, mt = _combine_lse(tl.load(stats_ptr + st_off, mask=m2, other=float("-inf")),
+    lt, mt, st = _combine_lse(tl.load(stats_ptr + st_off, mask=m2, other=float("-inf")),
                           tl.load(stats_ptr + st_off + 1, mask=m2, other=0.0), 1)
-    ld, _ = _combine_lse(tl.load(stats_ptr + st_off + 2, mask=m2, other=float("-inf")),
+    ld, md, sd = _combine_lse(tl.load(stats_ptr + st_off + 2, mask=m2, other=float("-inf")),
                          tl.load(stats_ptr + st_off + 3, mask=m2, other=0.0), 1)
     # greedy arg-max per position: first split holding the row maximum, then its partial arg-max
     mpart = tl.load(stats_ptr + st_off, mask=m2, other=float("-inf"))
@@ -259,6 +288,7 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
     at_stop = js == stop
     lt_stop = tl.sum(tl.where(at_stop, lt, 0.0), axis=0)
     ld_stop = tl.sum(tl.where(at_stop, ld, 0.0), axis=0)
+    delta_stop = tl.sum(tl.where(at_stop, (md - mt) + tl.log(sd / st), 0.0), axis=0)  # L_d - L_t, accurately
     am_stop = tl.sum(tl.where(at_stop, am, 0), axis=0)
     rejected = stop < n_b
 
@@ -278,18 +308,20 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
     idx_r = V
     best_p = float("-inf")
     idx_p = V
+    mass = tl.zeros([BLOCK], tl.float32)
     for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         inb = offs < V
         t = tl.load(t_base + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale
         d = tl.load(d_base + offs, mask=offs < v_d, other=float("-inf")).to(tl.float32) * scale
-        best_r, idx_r, best_p, idx_p = _race_tile(t, d, lt_stop, ld_stop, rejected, rk_a, rk_b, offs,
-                                                  best_r, idx_r, best_p, idx_p, V)
-    out = (b.to(tl.int64) * S2 + split) * 4
+        best_r, idx_r, best_p, idx_p, mass = _race_tile(t, d, lt_stop, ld_stop, delta_stop, rejected, rk_a, rk_b,
+                                                        offs, best_r, idx_r, best_p, idx_p, mass, V)
+    out = (b.to(tl.int64) * S2 + split) * 5
     tl.store(race_ptr + out, best_r)
     tl.store(race_ptr + out + 1, idx_r.to(tl.float32))
     tl.store(race_ptr + out + 2, best_p)
     tl.store(race_ptr + out + 3, idx_p.to(tl.float32))
+    tl.store(race_ptr + out + 4, tl.sum(mass, axis=0))
     if split == 0:
         tl.store(info_ptr + b.to(tl.int64) * 4, stop)
         tl.store(info_ptr + b.to(tl.int64) * 4 + 1, tl.where(am_stop < V, am_stop, -1))
@@ -316,12 +348,14 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
 
 @triton.jit
 def _finalize_kernel(draft_tokens_ptr, race_ptr, info_ptr, tokens_ptr, num_accepted_ptr, alpha_part_ptr, alpha_ptr,
-                     V, K, S2, COMPUTE_SCORES: tl.constexpr, JP2: tl.constexpr, SP2: tl.constexpr):
-    """Combine the race winners of a row (ties to the lowest id) and write tokens / num_accepted / alpha."""
+                     V, K, S2, MASS_EPS: tl.constexpr, COMPUTE_SCORES: tl.constexpr, JP2: tl.constexpr,
+                     SP2: tl.constexpr):
+    """Combine the race winners of a row (ties to the lowest id) and the partial residual masses; the residual
+    winner is used only when the mass exceeds ``MASS_EPS``. Writes tokens / num_accepted / alpha."""
     b = tl.program_id(0)
     ss = tl.arange(0, SP2)
     smask = ss < S2
-    base = (b.to(tl.int64) * S2 + ss) * 4
+    base = (b.to(tl.int64) * S2 + ss) * 5
     r = tl.load(race_ptr + base, mask=smask, other=float("-inf"))
     ri = tl.load(race_ptr + base + 1, mask=smask, other=0.0).to(tl.int32)
     p = tl.load(race_ptr + base + 2, mask=smask, other=float("-inf"))
@@ -330,7 +364,8 @@ def _finalize_kernel(draft_tokens_ptr, race_ptr, info_ptr, tokens_ptr, num_accep
     win_r = tl.min(tl.where(smask & (r == best_r) & (r > float("-inf")), ri, V), axis=0)
     best_p = tl.max(p, axis=0)
     win_p = tl.min(tl.where(smask & (p == best_p) & (p > float("-inf")), pi, V), axis=0)
-    sampled = tl.where(win_r < V, win_r, win_p)
+    mass = tl.sum(tl.load(race_ptr + base + 4, mask=smask, other=0.0), axis=0)
+    sampled = tl.where((win_r < V) & (mass > MASS_EPS), win_r, win_p)
     sampled = tl.where(sampled < V, sampled, -1)
 
     stop = tl.load(info_ptr + b.to(tl.int64) * 4)
@@ -357,7 +392,7 @@ def _finalize_kernel(draft_tokens_ptr, race_ptr, info_ptr, tokens_ptr, num_accep
 def _seq_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy_ptr, seeds_ptr, offsets_ptr,
                 tokens_ptr, num_accepted_ptr, inv_t, V, K,
                 HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, ALL_GREEDY: tl.constexpr, KP2: tl.constexpr,
-                JP2: tl.constexpr, BLOCK: tl.constexpr):
+                JP2: tl.constexpr, BLOCK: tl.constexpr, MASS_EPS: tl.constexpr):
     """Whole row in one program: reads positions 0..stop only (plus the stop row again for the race)."""
     b = tl.program_id(0)
     n_b, g, scale = _row_setup(draft_tokens_ptr, num_drafts_ptr, greedy_ptr, b, K, inv_t,
@@ -371,6 +406,7 @@ def _seq_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy_
     stop = n_b
     lt_stop = 0.0
     ld_stop = 0.0
+    delta_stop = 0.0
     am_stop = V
     for j in range(0, K + 1):
         # statistics of position j: needed while going, for the drafts, and for a greedy row's last token
@@ -412,6 +448,7 @@ def _seq_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy_
         stop = tl.where(now, j, stop)
         lt_stop = tl.where(now, lt, lt_stop)
         ld_stop = tl.where(now, ld, ld_stop)
+        delta_stop = tl.where(now, (m_d - m_t) + tl.log(s_d / safe_t), delta_stop)  # L_d - L_t, accurately
         am_stop = tl.where(now, am_i, am_stop)
         going = tl.where(acc, going, 0)
 
@@ -426,14 +463,15 @@ def _seq_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy_
     idx_r = V
     best_p = float("-inf")
     idx_p = V
+    mass = tl.zeros([BLOCK], tl.float32)
     for start in range(0, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         inb = offs < V
         t = tl.load(t_base + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale
         d = tl.load(d_base + offs, mask=offs < v_d, other=float("-inf")).to(tl.float32) * scale
-        best_r, idx_r, best_p, idx_p = _race_tile(t, d, lt_stop, ld_stop, rejected, rk_a, rk_b, offs,
-                                                  best_r, idx_r, best_p, idx_p, V)
-    sampled = tl.where(idx_r < V, idx_r, idx_p)
+        best_r, idx_r, best_p, idx_p, mass = _race_tile(t, d, lt_stop, ld_stop, delta_stop, rejected, rk_a, rk_b,
+                                                        offs, best_r, idx_r, best_p, idx_p, mass, V)
+    sampled = tl.where((idx_r < V) & (tl.sum(mass, axis=0) > MASS_EPS), idx_r, idx_p)
     nxt = tl.where(g != 0, am_stop, sampled)
     nxt = tl.where(nxt < V, nxt, -1)
     xv = tl.load(draft_tokens_ptr + b.to(tl.int64) * K + js, mask=js < K, other=-1)
@@ -553,7 +591,8 @@ def rejection_sample_triton(
         block = block_v or (min(1024, triton.next_power_of_2(vocab)) if _INTERPRET else 4096)
         _seq_kernel[(batch,)](
             target, draft, tokens_in, counts_arg, mask_arg, seeds, offsets, tokens, num_accepted,
-            inv_t, vocab, num_drafts, KP2=kp2, JP2=jp2, BLOCK=block, num_warps=num_warps or 8, **flags,
+            inv_t, vocab, num_drafts, KP2=kp2, JP2=jp2, BLOCK=block, MASS_EPS=RESIDUAL_MASS_EPS,
+            num_warps=num_warps or 8, **flags,
         )
         return tokens, num_accepted, None, None
 
@@ -571,7 +610,7 @@ def rejection_sample_triton(
     chunk2, splits2 = _split_plan(vocab, block, batch, 4 * sms, max_splits)
     stats = torch.empty((pairs, splits, 4), dtype=torch.float32, device=device)
     argmax = torch.empty((pairs, splits), dtype=torch.int32, device=device)
-    race = torch.empty((batch, splits2, 4), dtype=torch.float32, device=device)
+    race = torch.empty((batch, splits2, 5), dtype=torch.float32, device=device)
     info = torch.empty((batch, 4), dtype=torch.int32, device=device)
     if compute_scores:
         draft_logprob = torch.empty((batch, num_drafts), dtype=torch.float32, device=device)
@@ -591,7 +630,7 @@ def rejection_sample_triton(
     )
     _finalize_kernel[(batch,)](
         tokens_in, race, info, tokens, num_accepted, alpha_part, alpha, vocab, num_drafts, splits2,
-        COMPUTE_SCORES=compute_scores, JP2=jp2, SP2=_sp2(splits2), num_warps=1,
+        MASS_EPS=RESIDUAL_MASS_EPS, COMPUTE_SCORES=compute_scores, JP2=jp2, SP2=_sp2(splits2), num_warps=1,
     )
     if not compute_scores:
         return tokens, num_accepted, None, None

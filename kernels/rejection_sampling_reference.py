@@ -8,7 +8,9 @@ Conventions shared with the kernel (``kernels/rejection_sampling.py``):
   ACCEPT_INDEX)`` and ``q(x) > 0`` (a draft the drafter could not have produced is always rejected).
 * At the first rejected position the recovered token is drawn from ``max(0, p - q)`` by an exponential race:
   ``argmax_x log(max(0, p(x) - q(x))) - log(-log u_x)`` with ``u_x = uniform(seed_b, offset_b + j, x)``, ties to the
-  lowest id. If the residual is zero everywhere (``p == q`` up to rounding) the race runs on ``p``.
+  lowest id, **if** the residual mass ``sum_x max(0, p(x) - q(x))`` (``= TV(p, q)``, the probability that this
+  position is rejected) exceeds :data:`RESIDUAL_MASS_EPS`; otherwise (``p == q`` up to rounding) the race runs on
+  ``p``. See :data:`RESIDUAL_MASS_EPS` for why a threshold, and what it costs.
 * When all ``n_b`` drafts are accepted the bonus token at position ``n_b`` is drawn from ``p`` by the same race on
   ``target_logits / T`` (the normaliser does not change the argmax).
 * Greedy rows (``temperature == 0`` or ``greedy_mask[b]``) use no random numbers: draft ``j`` is accepted iff it
@@ -20,6 +22,22 @@ from __future__ import annotations
 import torch
 
 from .rng import ACCEPT_INDEX, stream_keys, uniform_from_keys
+
+RESIDUAL_MASS_EPS = 1e-6
+"""Residual mass (fp32) at or below which a rejected position's recovered token is drawn from ``p`` instead of the
+residual ``max(0, p - q)``.
+
+Why: when ``q == p`` up to rounding the residual is rounding noise whose support depends on the order of the float
+operations (the torch reference's fp32 residual can be exactly 0 while the Triton kernel's is ~1e-7-scale noise),
+so a rule "fall back to ``p`` only when the residual is exactly 0" makes the two backends disagree. Comparing the
+*mass* against a threshold far above fp32 noise (a few 1e-8 to a few 1e-7 on ~1e5-token vocabularies) and far
+below any real rejection probability makes the decision robust.
+
+Losslessness cost: the emitted distribution is ``min(p, q) + m * r`` with ``m`` the residual mass and ``r`` the
+normalised residual; replacing ``r`` by ``p`` moves it by ``m * TV(r, p) <= m``. So the output deviates from ``p``
+by at most ``RESIDUAL_MASS_EPS = 1e-6`` in total variation, and only at positions whose rejection probability was
+itself ``<= 1e-6``; everywhere else the sampler is exactly lossless.
+"""
 
 
 def effective_draft_counts(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor | None) -> torch.Tensor:
@@ -39,12 +57,38 @@ def exponential_race(scores: torch.Tensor, seeds: torch.Tensor, positions: torch
 
     scores: [B, V] float32 log-weights (``-inf`` = weight 0); seeds, positions: [B] int64. Returns [B] int64.
     Equivalent to sampling x with probability proportional to exp(scores[b, x]).
+
+    NaN race scores never win (as in the kernel, whose comparisons ignore NaN); the result is ``argmax`` over the
+    others. They occur where the uniform is exactly 1.0 (``(2**24 - 1 + 0.5) * 2**-24`` rounds to 1.0 in fp32,
+    probability 2**-24 per draw, ~1% of races at V ~ 1e5): the exponential noise is then 0, the race score
+    ``scores - log(0)`` is ``+inf`` (that id wins, lowest id on ties) where the weight is positive, and
+    ``-inf + inf = NaN`` where it is 0. ``torch.argmax`` treats NaN as the maximum, so without this rule the
+    reference emitted an id of zero weight (residual or probability 0) and disagreed with the kernel (GPU
+    benchmark row 123 of (B, K, V) = (128, 8, 128256)).
     """
     vocab = scores.shape[-1]
     key_a, key_b = stream_keys(seeds[:, None], positions[:, None])
     ids = torch.arange(vocab, device=scores.device, dtype=torch.int64)[None, :]
     exp_noise = -torch.log(uniform_from_keys(key_a, key_b, ids))
-    return torch.argmax(scores - torch.log(exp_noise), dim=-1)
+    race = scores - torch.log(exp_noise)
+    return torch.argmax(torch.where(torch.isnan(race), float("-inf"), race), dim=-1)
+
+
+def _residual_mass(target: torch.Tensor, draft: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """[B] float32 ``sum_x max(0, p(x) - q(x))`` (= TV(p, q)) of scaled logits ``target``, ``draft`` [B, V].
+
+    Computed as ``sum_x p(x) * max(0, -expm1(z(x)))`` with ``z = log q - log p = (draft - target) - delta`` and
+    ``delta = L_d - L_t = (m_d - m_t) + log(S_d / S_t)`` (maxima ``m``, ``S = sum exp(x - m)``): no rounded
+    log-sum-exp ``L`` enters, whose fp32 rounding (up to ~1e-6 relative for ``|L|`` ~ 10-40) would scale all of p
+    against all of q and give a ~1e-6 mass where ``q == p`` up to rounding. The kernel uses the same formula.
+    """
+    m_t = target.max(dim=-1, keepdim=True).values
+    m_d = draft.max(dim=-1, keepdim=True).values
+    s_t = torch.exp(target - m_t).sum(dim=-1, keepdim=True)
+    s_d = torch.exp(draft - m_d).sum(dim=-1, keepdim=True)
+    z = (draft - target) - ((m_d - m_t) + torch.log(s_d / s_t))
+    terms = torch.where(z < 0, p * -torch.expm1(z.clamp(max=0.0)), torch.zeros_like(z))
+    return terms.sum(dim=-1)
 
 
 def rejection_sample_reference(
@@ -59,6 +103,10 @@ def rejection_sample_reference(
     compute_scores: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Reference rejection sampler. Inputs are assumed validated (see ``specdec.rejection_sample``).
+
+    Lossless except that a rejected position whose residual mass ``sum_x max(0, p - q)`` is ``<=``
+    :data:`RESIDUAL_MASS_EPS` (1e-6) draws its token from ``p``: a deviation of at most 1e-6 in total variation,
+    only where a rejection had probability ``<= 1e-6``.
 
     Args:
         target_logits: [B, K+1, V] float (fp32/bf16/fp16) verifier logits at the K draft positions and the bonus one.
@@ -108,8 +156,8 @@ def rejection_sample_reference(
     p_stop = target_logprob[rows, stop].exp()
     q_stop = draft_logprob_all[rows, stop.clamp(max=num_drafts - 1)].exp()
     residual_scores = torch.log(torch.clamp(p_stop - q_stop, min=0.0))
-    residual_empty = ~torch.isfinite(residual_scores.max(dim=-1).values)
-    use_residual = rejected & ~residual_empty
+    residual_mass = _residual_mass(target[rows, stop], draft[rows, stop.clamp(max=num_drafts - 1)], p_stop)
+    use_residual = rejected & (residual_mass > RESIDUAL_MASS_EPS)
     race_scores = torch.where(use_residual[:, None], residual_scores, target[rows, stop])
     sampled_token = exponential_race(race_scores, seeds, offsets + stop)
     next_token = torch.where(greedy, target_argmax[rows, stop], sampled_token)

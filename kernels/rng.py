@@ -7,8 +7,10 @@ in or on the launch shape, so a kernel reproduces the reference bit for bit.
 
 The mixing function is a 32-bit integer hash (a "lowbias32"-style xor-shift-multiply finaliser) applied in
 rounds with keys derived from the seed and the position. In torch the unsigned 32-bit arithmetic is emulated in
-int64; in Triton it is native ``uint32`` arithmetic. Uniforms are ``((bits >> 8) + 0.5) * 2**-24``: 2**24
-equally spaced float32 values strictly inside (0, 1), exactly representable, so never 0 and never 1.
+int64; in Triton it is native ``uint32`` arithmetic. Uniforms are ``((bits >> 9) + 0.5) * 2**-23``: 2**23
+equally spaced float32 values strictly inside (0, 1). Every one of them is exactly representable (k + 0.5 needs at
+most 24 significant bits for k < 2**23), so no rounding can produce 0 or 1. (With 2**24 levels the top value,
+2**24 - 0.5, would round to 2**24 and give u = 1.0 once in 2**24 draws.)
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ _MUL_A = 0x7FEB352D
 _MUL_B = 0x846CA68B
 _GOLDEN = 0x9E3779B9
 _SALT_B = 0x85EBCA6B
-_INV_2_24 = 1.0 / 16777216.0
+_INV_2_23 = 1.0 / 8388608.0
 
 
 def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
@@ -57,8 +59,12 @@ def stream_keys(seeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Ten
 
 def uniform_from_keys(key_a: torch.Tensor, key_b: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """float32 uniforms in (0, 1) for int64 ``index`` values in [0, 2**32); keys broadcast against ``index``."""
-    bits = hash32(hash32((index & MASK32) ^ key_a) ^ key_b)
-    return ((bits >> 8).to(torch.float32) + 0.5) * _INV_2_24
+    return bits_to_uniform(hash32(hash32((index & MASK32) ^ key_a) ^ key_b))
+
+
+def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
+    """Map int64 tensors holding 32-bit values to float32 uniforms strictly inside (0, 1) (exact arithmetic)."""
+    return ((bits >> 9).to(torch.float32) + 0.5) * _INV_2_23
 
 
 def uniform(seeds: torch.Tensor, positions: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -95,5 +101,10 @@ def stream_keys_tl(seed, position):
 @triton.jit
 def uniform_from_keys_tl(key_a, key_b, index):
     """index: int32/int64/uint32 tensor of non-negative values below 2**32. Returns float32 in (0, 1)."""
-    bits = hash32_tl(hash32_tl(index.to(tl.uint32) ^ key_a) ^ key_b)
-    return ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return bits_to_uniform_tl(hash32_tl(hash32_tl(index.to(tl.uint32) ^ key_a) ^ key_b))
+
+
+@triton.jit
+def bits_to_uniform_tl(bits):
+    """uint32 bits -> float32 in (0, 1), bit-identical to :func:`bits_to_uniform`."""
+    return ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)

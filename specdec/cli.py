@@ -421,7 +421,7 @@ def command_demo(args: argparse.Namespace) -> int:
 
     result = run_demo(
         output_dir=args.output_dir, cache_dir=args.cache_dir, quick=args.quick, seed=args.seed,
-        baselines=not args.no_baselines, retrain=args.retrain, finetune_steps=args.finetune_steps,
+        baselines=args.baselines, retrain=args.retrain, finetune_steps=args.finetune_steps,
         cost_ratio=args.cost_ratio, progress=not args.no_progress,
     )
     print(f"done in {result.timings['total_seconds']:.0f} s "
@@ -549,15 +549,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo", help="the offline demo: a built-in pair, its disparity, and s-CDF", formatter_class=raw,
         description="Train (first run, ~2-3 min on 2 CPU cores) or load a small verifier/drafter pair, print the "
-                    "per-task fairness table, finetune the drafter with s-CDF (and the baselines), print the table "
-                    "after, and write report.md and PNG plots.",
+                    "per-task fairness table, finetune the drafter with s-CDF (and, with --baselines, the "
+                    "baselines), print the table after, and write report.md and PNG plots.",
         epilog="The pair is cached under $SPECDEC_CACHE, else $XDG_CACHE_HOME/specdec, else ~/.cache/specdec.\n"
                "The report goes to ./specdec-demo-report (moved to the cache folder when run inside the specdec "
                "source tree).")
     demo.add_argument("--output-dir", type=Path, default=None, help="report folder (default: ./specdec-demo-report)")
     demo.add_argument("--cache-dir", type=Path, default=None, help="where the trained pair is cached")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--no-baselines", action="store_true", help="skip the three baseline finetunings")
+    demo.add_argument("--baselines", action="store_true",
+                      help="also finetune with uniform distillation, data balancing and exact-variance weights "
+                           "(about a minute more)")
     demo.add_argument("--retrain", action="store_true", help="train the pair again even if it is cached")
     demo.add_argument("--finetune-steps", type=_positive_int, default=None, help="s-CDF steps (default: 150)")
     demo.add_argument("--cost-ratio", type=_non_negative_float, default=None,

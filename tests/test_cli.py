@@ -239,7 +239,7 @@ def test_bench_bad_inputs(capsys, tmp_path):
 # ------------------------------------------------------------------------------------------------------------ demo
 def test_demo_quick_writes_where_asked(capsys, tmp_path):
     out_dir, cache_dir = tmp_path / "report", tmp_path / "cache"
-    code, out, err = run_cli(capsys, "demo", "--quick", "--no-progress", "--no-baselines", "--output-dir",
+    code, out, err = run_cli(capsys, "demo", "--quick", "--no-progress", "--output-dir",
                              str(out_dir), "--cache-dir", str(cache_dir))
     assert code == 0, err
     assert (out_dir / "report.md").is_file() and "Fairness after s-CDF" in out

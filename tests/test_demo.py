@@ -60,8 +60,10 @@ def test_second_run_reuses_the_cached_pair(first_run, monkeypatch):
         raise AssertionError("the cached pair was retrained")
 
     monkeypatch.setattr(demo, "train_language_model", no_training)
-    again = demo.run_demo(root / "report-2", cache_dir=root / "cache", quick=True, progress=False, echo=None)
+    again = demo.run_demo(root / "report-2", cache_dir=root / "cache", quick=True, progress=False, echo=None,
+                          baselines=True)
     assert again.cache_hit and again.pair_dir == result.pair_dir
+    assert [row["drafter"] for row in again.comparison] == ["original", "s-CDF", *demo.BASELINE_METHODS]
     assert again.pair_info["cache_key"] == result.pair_info["cache_key"]
     # Same pair, same seed: the measured figures are reproduced.
     assert again.before.summary["U_ce"] == pytest.approx(result.before.summary["U_ce"], rel=1e-6)

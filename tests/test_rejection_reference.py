@@ -179,3 +179,38 @@ def test_scores_are_draft_logprob_and_acceptance_probability():
     torch.testing.assert_close(out.draft_logprob, expected_logprob)
     alpha = specdec.metrics.acceptance_from_logits(target[:num_drafts], draft, 0.5)
     torch.testing.assert_close(out.alpha, alpha.expand(rows, -1))
+
+
+def test_residual_mass_is_accurate_and_gates_the_residual_race():
+    from specdec.kernels.rejection_sampling_reference import RESIDUAL_MASS_EPS, _residual_mass
+
+    generator = torch.Generator().manual_seed(18)
+    target = torch.round((torch.randn(32, 4096, generator=generator) * 2 + 10) * 1024) / 1024
+    for draft, bound in ((target + 20.0, 0.0),  # p == q exactly (a logit shift): mass exactly 0
+                         (target + 0.5 * torch.randn(32, 4096, generator=generator), 2e-6)):  # far apart
+        mass = _residual_mass(target, draft, torch.softmax(target, -1)).double()
+        exact = (torch.softmax(target.double(), -1) - torch.softmax(draft.double(), -1)).clamp(min=0).sum(-1)
+        assert float((mass - exact).abs().max()) <= bound
+    # q(1) = 0 forces a rejection at position 0; the residual is then p(1) alone.
+    vocab, rows = 6, 400
+    target, _ = _random_case(vocab, 1, seed=19)
+    draft = target[:1].clone()
+    draft[0, 1] = float("-inf")
+    drafts = torch.ones(rows, 1, dtype=torch.int64)
+    target[0, 1] = target[0].max() - 40.0  # p(1) ~ 1e-17 <= RESIDUAL_MASS_EPS: race on p, never on the residual
+    assert float(torch.softmax(target[0], -1)[1]) < RESIDUAL_MASS_EPS
+    out = _run(target, draft, drafts, 1.0)
+    assert bool((out.num_accepted == 0).all()) and bool((out.tokens[:, 0] != 1).all())
+    target[0, 1] = target[0].max() - 3.0  # p(1) ~ 1e-2: the residual is one-hot on 1
+    out = _run(target, draft, drafts, 1.0)
+    assert bool((out.tokens[:, 0] == 1).all())
+
+
+def test_race_never_picks_a_zero_weight_id():
+    from specdec.kernels.rejection_sampling_reference import exponential_race
+
+    scores = torch.full((4096, 50), float("-inf"))
+    scores[:, 7] = -30.0  # a single id with (tiny) positive weight
+    scores[:, 11] = float("nan")  # NaN never wins either
+    winners = exponential_race(scores, torch.arange(4096, dtype=torch.int64), torch.zeros(4096, dtype=torch.int64))
+    assert bool((winners == 7).all())

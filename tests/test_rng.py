@@ -6,7 +6,15 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.kernels.rng import ACCEPT_INDEX, hash32, stream_keys_tl, uniform, uniform_from_keys_tl
+from specdec.kernels.rng import (
+    ACCEPT_INDEX,
+    bits_to_uniform,
+    bits_to_uniform_tl,
+    hash32,
+    stream_keys_tl,
+    uniform,
+    uniform_from_keys_tl,
+)
 
 from stats import assert_follows
 
@@ -54,3 +62,20 @@ def test_uniforms_are_strictly_inside_unit_interval_and_uniform():
     for other in (b, c):
         corr = float(torch.corrcoef(torch.stack([a, other]))[0, 1])
         assert abs(corr) < 10 / math.sqrt(a.numel())
+
+
+@triton.jit
+def _bits_kernel(bits_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    bits = tl.load(bits_ptr + offs, mask=offs < n, other=0).to(tl.uint32)
+    tl.store(out_ptr + offs, bits_to_uniform_tl(bits), mask=offs < n)
+
+
+def test_extreme_bits_map_strictly_inside_the_unit_interval_in_torch_and_triton():
+    bits = torch.tensor([0, 1, 511, 512, 2**31, 2**32 - 513, 2**32 - 512, 2**32 - 2, 2**32 - 1], dtype=torch.int64)
+    values = bits_to_uniform(bits)
+    assert float(values.min()) > 0.0 and float(values.max()) < 1.0
+    assert float(values[-1]) == 1.0 - 2.0**-24 and float(values[0]) == 2.0**-24
+    out = torch.empty(len(bits), dtype=torch.float32)
+    _bits_kernel[(1,)](bits, out, len(bits), BLOCK=16)
+    assert torch.equal(out, values)
