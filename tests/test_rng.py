@@ -32,12 +32,16 @@ def _uniform_kernel(seeds_ptr, positions_ptr, out_ptr, num_index, BLOCK: tl.cons
     tl.store(out_ptr + row * (num_index + 1) + num_index + tl.arange(0, 1), accept)
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on the CPU the kernels run in Triton's interpreter
+
+
 def test_triton_stream_matches_torch_bit_for_bit():
     seeds = torch.tensor([0, 1, -5, 2**62 + 12345, 7, 7], dtype=torch.int64)
     positions = torch.tensor([0, 3, 2**40 + 1, 9, 0, 1], dtype=torch.int64)
     num_index = 200
-    out = torch.empty(len(seeds), num_index + 1, dtype=torch.float32)
-    _uniform_kernel[(len(seeds),)](seeds, positions, out, num_index, BLOCK=256)
+    out = torch.empty(len(seeds), num_index + 1, dtype=torch.float32, device=DEVICE)
+    _uniform_kernel[(len(seeds),)](seeds.to(DEVICE), positions.to(DEVICE), out, num_index, BLOCK=256)
+    out = out.cpu()
     index = torch.cat([torch.arange(num_index), torch.tensor([ACCEPT_INDEX])])
     expected = uniform(seeds[:, None], positions[:, None], index[None, :])
     assert torch.equal(out, expected)
@@ -76,6 +80,6 @@ def test_extreme_bits_map_strictly_inside_the_unit_interval_in_torch_and_triton(
     values = bits_to_uniform(bits)
     assert float(values.min()) > 0.0 and float(values.max()) < 1.0
     assert float(values[-1]) == 1.0 - 2.0**-24 and float(values[0]) == 2.0**-24
-    out = torch.empty(len(bits), dtype=torch.float32)
-    _bits_kernel[(1,)](bits, out, len(bits), BLOCK=16)
-    assert torch.equal(out, values)
+    out = torch.empty(len(bits), dtype=torch.float32, device=DEVICE)
+    _bits_kernel[(1,)](bits.to(DEVICE), out, len(bits), BLOCK=16)
+    assert torch.equal(out.cpu(), values)
