@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from specdec.fairness import (
     FairnessReport,
@@ -22,24 +22,16 @@ from specdec.fairness import (
 )
 from specdec.metrics import acceptance_from_logits, speedup
 
+from models import tiny_llama as build_tiny_llama
+
 VOCAB = 48
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_llama(hidden: int, layers: int, seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
-                         eos_token_id=2, attn_implementation="eager", initializer_range=0.5)
-    return LlamaForCausalLM(config).eval()
+    return build_tiny_llama(vocab_size=VOCAB, hidden_size=hidden, num_layers=layers, seed=seed, init_std=0.5)
 
 
 class CharTokenizer:

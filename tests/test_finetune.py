@@ -9,28 +9,20 @@ import shutil
 import pytest
 import torch
 import torch.multiprocessing as mp
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from specdec.finetune import CHECKPOINT_NAME, CheckpointError, finetune_drafter, load_checkpoint, save_checkpoint
+
+from models import tiny_llama as build_tiny_llama
 
 VOCAB = 40
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_llama(hidden: int, layers: int, seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
-                         eos_token_id=2, attn_implementation="eager", initializer_range=0.3)
-    return LlamaForCausalLM(config).eval()
+    return build_tiny_llama(vocab_size=VOCAB, hidden_size=hidden, num_layers=layers, seed=seed, init_std=0.3)
 
 
 def make_pair() -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
