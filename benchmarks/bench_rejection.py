@@ -18,6 +18,8 @@ the kernel actually reads on these inputs (early exit and the race's re-read of 
 
 Usage: python benchmarks/bench_rejection.py [--quick] [--out benchmarks/results] [--max-seconds 420]
        [--dtypes bf16] [--shapes 151936:1:4,32000:8:1,...] (V:B:K triples) [--tag _v3] (CSV name suffix)
+       [--sweep 151936:1:4,151936:128:8] (launch-plan sweep of the "split" strategy, before the main grid:
+       ``SWEEP`` configurations, each timed and checked against the reference; ``rejection_sweep_<gpu><tag>.csv``)
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, measure_copy_bandwidth, time_do_bench, time_graph  # noqa: E402
 
-from specdec.kernels.rejection_sampling import rejection_sample_triton  # noqa: E402
+from specdec.kernels.rejection_sampling import TUNE_DEFAULT, TUNE_V4, rejection_sample_triton  # noqa: E402
 from specdec.kernels.rejection_sampling_reference import rejection_sample_reference  # noqa: E402
 
 BATCHES = (1, 8, 32, 128)
@@ -95,6 +97,85 @@ def diagnose(s0, out, ref, num_drafts):
               f"{[f'{m:.2e}' for m in margin]} race top2 {top.indices.tolist()} gap {gap:.2e}", flush=True)
 
 
+# Launch-plan sweep: name -> overrides of TUNE_DEFAULT ("v4" = the v4 plan). "stats:" rows time the stats kernel
+# alone (the race + finalize time is the difference).
+SWEEP = {
+    "v4": dict(TUNE_V4),
+    "default": {},
+    "stats:v4": dict(TUNE_V4, stats_only=True),
+    "stats:default": dict(stats_only=True),
+    "nofuse": dict(fuse=False),
+    "nolanes": dict(lanes=False),
+    "v4+tight_sp2": dict(TUNE_V4, tight_sp2=True),
+    "race512w4": dict(race_block=512, race_warps=4),
+    "race1024w4": dict(race_block=1024, race_warps=4),
+    "race2048w16": dict(race_block=2048, race_warps=16),
+    "race_prog8": dict(race_programs=8),
+    "race_prog32": dict(race_programs=32),
+    "stats_prog16": dict(stats_programs=16),
+    "stats_pf": dict(stats_prefetch=True),
+    "stats_pf4096w16": dict(stats_prefetch=True, stats_block=4096, stats_warps=16),
+    "stats:pf4096w16": dict(stats_prefetch=True, stats_block=4096, stats_warps=16, stats_only=True),
+    "stats_prog8": dict(stats_programs=8),
+    "pdl1": dict(pdl=1),
+    "pdl2": dict(pdl=2),
+    "pdl2+stats_prog8": dict(pdl=2, stats_programs=8),
+}
+SWEEP_SMALL = ("v4", "default", "nofuse", "stats_prog8", "pdl1", "pdl2", "pdl2+stats_prog8", "stats:default")
+SWEEP_LARGE = tuple(name for name in SWEEP if not name.startswith("pdl") and name != "stats_prog8")
+
+
+def run_sweep(shapes, dtype_name, out_path, l2_bytes, copy_gbps, env, max_seconds, t_start):
+    """Time every SWEEP configuration of the "split" strategy at each V:B:K shape (same inputs, same process)."""
+    dtype = DTYPES[dtype_name]
+    esize = torch.tensor([], dtype=dtype).element_size()
+    fields = ["config", "B", "K", "V", "dtype", "median_us", "p20_us", "p80_us", "gbps_read", "frac_copy",
+              "match_ref", "tune", "gpu", "torch", "triton", "note"]
+    with open(out_path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        budget = max_seconds - (time.time() - t_start)
+        for vocab, batch, num_drafts in shapes:
+            deadline = time.time() + budget / len(shapes)
+            set_bytes = batch * (2 * num_drafts + 1) * vocab * esize
+            n_sets = max(1, min(16, math.ceil(2 * l2_bytes / set_bytes)))
+            sets = [make_inputs(batch, num_drafts, vocab, dtype, seed=s) for s in range(n_sets)]
+            s0 = sets[0]
+            ref = rejection_sample_reference(s0["target"], s0["draft"], s0["drafts"], s0["seeds"], s0["offsets"],
+                                             TEMPERATURE)
+            for name in (SWEEP_SMALL if batch <= 8 else SWEEP_LARGE):
+                tune = SWEEP[name]
+                if time.time() > deadline:
+                    print(f"# sweep time budget reached at {name}", flush=True)
+                    break
+                note, match = "", ""
+                fns = [lambda s=s, tune=tune: rejection_sample_triton(
+                    s["target"], s["draft"], s["drafts"], s["seeds"], s["offsets"], TEMPERATURE, strategy="split",
+                    tune=tune) for s in sets]
+                try:
+                    if not tune.get("stats_only"):
+                        out = fns[0]()
+                        match = str(bool(torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])))
+                    med, p20, p80 = time_graph(fns)
+                except Exception as exc:
+                    torch.cuda.synchronize()
+                    med = p20 = p80 = float("nan")
+                    note = f"{type(exc).__name__}: {str(exc)[:200]}"
+                read = bytes_read("split", ref[1], num_drafts, vocab, esize)
+                if tune.get("stats_only"):
+                    read = batch * (2 * num_drafts + 1) * vocab * esize
+                row = dict(config=name, B=batch, K=num_drafts, V=vocab, dtype=dtype_name, median_us=f"{med:.2f}",
+                           p20_us=f"{p20:.2f}", p80_us=f"{p80:.2f}", gbps_read=f"{read / med / 1e3:.1f}",
+                           frac_copy=f"{read / med / 1e3 / copy_gbps:.3f}", match_ref=match,
+                           tune=str(dict(TUNE_DEFAULT, **tune)), note=note, **env)
+                writer.writerow(row)
+                handle.flush()
+                print(f"sweep {name:18s} {dtype_name} B={batch:3d} K={num_drafts} V={vocab:6d} {med:8.1f} us "
+                      f"[{p20:.1f}, {p80:.1f}] {read / med / 1e3 / copy_gbps:5.2f} copy {match} {note}", flush=True)
+            del sets, s0, ref
+            torch.cuda.empty_cache()
+
+
 def setup_flashinfer():
     """Import FlashInfer and JIT-build its sampling module; returns (module, note)."""
     try:
@@ -121,6 +202,8 @@ def main() -> None:
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated subset of bf16,fp32")
     parser.add_argument("--shapes", default="", help="comma-separated V:B:K triples (default: the full grid)")
     parser.add_argument("--tag", default="", help="suffix of the CSV name, e.g. _v3")
+    parser.add_argument("--sweep", default="", help="V:B:K triples for the launch-plan sweep (first dtype)")
+    parser.add_argument("--sweep-seconds", type=float, default=1e9, help="stop the sweep after this")
     parser.add_argument("--providers", default="specdec,specdec_split,specdec_seq,torch_eager,torch_compile,"
                                                "flashinfer,flashinfer_kernel")
     args = parser.parse_args()
@@ -134,6 +217,11 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     l2_bytes = getattr(props, "L2_cache_size", 50 << 20)
     print(f"# {env}  copy {copy_gbps:.0f} GB/s  SMs {props.multi_processor_count}  L2 {l2_bytes >> 20} MiB", flush=True)
+    if args.sweep:
+        sweep_shapes = [tuple(int(x) for x in item.split(":")) for item in args.sweep.split(",") if item]
+        sweep_path = os.path.join(args.out, f"rejection_sweep_{gpu_tag}{args.tag}.csv")
+        run_sweep(sweep_shapes, args.dtypes.split(",")[0], sweep_path, l2_bytes, copy_gbps, env,
+                  args.sweep_seconds, t_start)
     fs, fi_note = setup_flashinfer() if any(p.startswith("flashinfer") for p in providers) else (None, "skipped")
     print("#", fi_note, flush=True)
     torch._dynamo.config.cache_size_limit = 256

@@ -33,14 +33,15 @@ whose rejection probability ``m`` was ``<= 1e-6``; elsewhere the sampler is exac
 
 Two launch strategies compute the same function:
 
-* ``"split"`` (the default for every shape): three launches.
+* ``"split"`` (the default for every shape): two launches (three with ``tune={"fuse": False}``); the launch plan
+  (tiles, grids, prefetch, programmatic dependent launch) is :data:`TUNE_DEFAULT`, see there.
   (1) ``_stats_kernel``, grid ``(B*(K+1), S)``: every program reduces one vocabulary chunk of one (row, position)
   pair to partial (max, sum-exp) of target and draft and, for greedy rows, the lowest arg-max. Positions past a
   row's last draft are skipped. (2) ``_race_kernel``, grid ``(B, S2)``: every program combines the partials of its
   row (vectorised over positions), runs the accept tests, finds the stop position, then runs the exponential race
   on its vocabulary chunk of the stop row only (and, with ``compute_scores``, partial alpha sums for all
-  positions). (3) ``_finalize_kernel``, grid ``(B,)``: combines the race winners and the partial residual
-  masses, and writes the outputs.
+  positions). (3) the last race program of each row (arrival counter), or ``_finalize_kernel`` with grid ``(B,)``
+  when not fused: combines the race winners and the partial residual masses, and writes the outputs.
   Splitting the vocabulary keeps every SM busy at B = 1.
 * ``"seq"`` (opt-in; never faster on an H200, see ``benchmarks/NOTES_rejection.md``): one launch, one program per
   row, positions in order with **early exit**: rows past the first rejection are never read. Bytes read are about
@@ -151,23 +152,59 @@ def _race_tile(t, d, lt, ld, delta, rejected, key_a, key_b, offs, best_r, idx_r,
             tl.where(upd_p, tile_p, best_p), tl.where(upd_p, tile_pi, idx_p), mass)
 
 
+@triton.jit
+def _race_tile_lanes(t, d, lt, ld, delta, rejected, key_a, key_b, offs, best_r, idx_r, best_p, idx_p, mass):
+    """:func:`_race_tile` with lane-wise winners: ``best_*`` / ``idx_*`` are [BLOCK] vectors updated with a strict
+    ``>`` (a lane visits its ids in increasing order, so it keeps the lowest id on ties) and reduced once after the
+    loop by :func:`_lanes_winner`. Same scores, same comparisons, same winner as the per-tile reductions, without
+    four block-wide reductions (barriers) per tile. NaN never wins (``NaN > x`` is false)."""
+    u = uniform_from_keys_tl(key_a, key_b, offs)
+    noise = tl.log(-tl.log(u))
+    p = tl.exp(t - lt)
+    resid = p - tl.exp(d - ld)
+    mass += _residual_mass_terms(t, d, p, delta)
+    r_score = tl.where(resid > 0.0, tl.log(resid), float("-inf")) - noise
+    r_score = tl.where(rejected, r_score, float("-inf"))
+    p_score = t - noise
+    upd_r = r_score > best_r
+    upd_p = p_score > best_p
+    return (tl.where(upd_r, r_score, best_r), tl.where(upd_r, offs, idx_r),
+            tl.where(upd_p, p_score, best_p), tl.where(upd_p, offs, idx_p), mass)
+
+
+@triton.jit
+def _lanes_winner(best, idx, V):
+    """(best score, lowest id holding it) of lane-wise winners; (-inf, V) when no lane has a finite winner."""
+    top = tl.max(best, axis=0)
+    return top, tl.min(tl.where((best == top) & (idx < V), idx, V), axis=0)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # "split" strategy
 
 
 @triton.jit
 def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy_ptr, stats_ptr, argmax_ptr,
-                  inv_t, V, K, chunk, S,
+                  counter_ptr, inv_t, V, K, chunk, S,
                   HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, ALL_GREEDY: tl.constexpr,
-                  COMPUTE_SCORES: tl.constexpr, KP2: tl.constexpr, BLOCK: tl.constexpr):
+                  COMPUTE_SCORES: tl.constexpr, KP2: tl.constexpr, BLOCK: tl.constexpr,
+                  ZERO_COUNTERS: tl.constexpr, PDL_TRIGGER: tl.constexpr, PREFETCH: tl.constexpr):
     """Partial (max, sum exp) of target and draft over one vocabulary chunk of one (row, position).
 
     stats: [B*(K+1), S, 4] fp32 (m_t, s_t, m_d, s_d); argmax: [B*(K+1), S] int32 (greedy rows, else V).
+    ZERO_COUNTERS: program (row b, position 0, split 0) zeroes ``counter[b]``, the arrival counter of the race
+    programs of row b (fused finalize; no separate memset launch). PDL_TRIGGER: let the race kernel (launched with
+    programmatic dependent launch) start its prologue now; it waits (``gdc_wait``) before reading anything written here.
     """
+    if PDL_TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     pair = tl.program_id(0)
     split = tl.program_id(1)
     b = pair // (K + 1)
     j = pair % (K + 1)
+    if ZERO_COUNTERS:
+        if (j == 0) & (split == 0):
+            tl.store(counter_ptr + b, 0)
     n_b, g, scale = _row_setup(draft_tokens_ptr, num_drafts_ptr, greedy_ptr, b, K, inv_t,
                                HAS_COUNTS, HAS_MASK, ALL_GREEDY, KP2)
     need_t = (j < n_b) | ((j == n_b) & (g != 0))  # sampled rows race on raw logits at the bonus position
@@ -190,10 +227,21 @@ def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greed
     s_d = tl.zeros([R], tl.float32)
     am_v = float("-inf")
     am_i = V
+    if PREFETCH:  # the next tile's loads are issued before this tile's arithmetic (more bytes in flight)
+        lim = tl.where(lo < hi, V, 0)
+        t_nx = tl.load(t_base + lo + rows2, mask=lo + rows2 < lim, other=float("-inf"))
+        d_nx = tl.load(d_base + lo + rows2, mask=lo + rows2 < tl.minimum(lim, v_d), other=float("-inf"))
     for start in range(lo, hi, BLOCK):
         offs = start + rows2
-        t = tl.load(t_base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * scale
-        d = tl.load(d_base + offs, mask=offs < v_d, other=float("-inf")).to(tl.float32) * scale
+        if PREFETCH:
+            t = t_nx.to(tl.float32) * scale
+            d = d_nx.to(tl.float32) * scale
+            lim = tl.where(start + BLOCK < hi, V, 0)
+            t_nx = tl.load(t_base + offs + BLOCK, mask=offs + BLOCK < lim, other=float("-inf"))
+            d_nx = tl.load(d_base + offs + BLOCK, mask=offs + BLOCK < tl.minimum(lim, v_d), other=float("-inf"))
+        else:
+            t = tl.load(t_base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * scale
+            d = tl.load(d_base + offs, mask=offs < v_d, other=float("-inf")).to(tl.float32) * scale
         new_t = tl.maximum(m_t, tl.max(t, axis=1))
         safe_t = tl.where(new_t == float("-inf"), 0.0, new_t)
         s_t = s_t * tl.exp(m_t - safe_t) + tl.sum(tl.exp(t - safe_t[:, None]), axis=1)
@@ -237,15 +285,22 @@ def _combine_lse(m, s, axis: tl.constexpr):
 @triton.jit
 def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy_ptr, seeds_ptr, offsets_ptr,
                  stats_ptr, argmax_ptr, race_ptr, info_ptr, logprob_ptr, alpha_part_ptr,
+                 counter_ptr, tokens_ptr, num_accepted_ptr, alpha_ptr,
                  inv_t, V, K, S, chunk, S2,
                  HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, ALL_GREEDY: tl.constexpr,
                  COMPUTE_SCORES: tl.constexpr, KP2: tl.constexpr, JP2: tl.constexpr, SP2: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 BLOCK: tl.constexpr, LANES: tl.constexpr, FUSE: tl.constexpr, SP2B: tl.constexpr,
+                 MASS_EPS: tl.constexpr, PDL_WAIT: tl.constexpr):
     """Accept tests (vectorised over positions), stop position, race over one chunk of the stop row.
 
     race: [B, S2, 5] fp32 (best residual score, its id, best p score, its id, partial residual mass over the
     chunk; ids are exact in fp32 for V < 2**24); info: [B, 4] int32 (stop, greedy next token or -1, greedy
     flag, rejected flag); logprob: [B, K]; alpha_part: [B, K, S2].
+    LANES: lane-wise race winners (one reduction after the loop instead of four per tile).
+    FUSE: the last program of a row to arrive (arrival counter ``counter[b]``, zeroed by the stats kernel) combines
+    the row's partial winners and writes the outputs (:func:`_finalize_row`): no third launch. Without FUSE,
+    ``_finalize_kernel`` does that. PDL_WAIT: launched with programmatic dependent launch; everything that does not
+    read the stats kernel's outputs (row setup, random keys, draft ids and their logits) runs before ``gdc_wait``.
     """
     b = tl.program_id(0)
     split = tl.program_id(1)
@@ -259,17 +314,6 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
     jmask = js < K + 1
     smask = ss < S
     pair = b.to(tl.int64) * (K + 1) + js
-    st_off = (pair[:, None] * S + ss[None, :]) * 4
-    m2 = jmask[:, None] & smask[None, :]
-    lt, mt, st = _combine_lse(tl.load(stats_ptr + st_off, mask=m2, other=float("-inf")),
-                          tl.load(stats_ptr + st_off + 1, mask=m2, other=0.0), 1)
-    ld, md, sd = _combine_lse(tl.load(stats_ptr + st_off + 2, mask=m2, other=float("-inf")),
-                         tl.load(stats_ptr + st_off + 3, mask=m2, other=0.0), 1)
-    # greedy arg-max per position: first split holding the row maximum, then its partial arg-max
-    mpart = tl.load(stats_ptr + st_off, mask=m2, other=float("-inf"))
-    first_split = tl.min(tl.where((mpart == mt[:, None]) & m2, ss[None, :], SP2), axis=1)
-    am = tl.load(argmax_ptr + pair * S + first_split, mask=jmask & (first_split < S), other=V)
-
     draft_mask = js < K
     x = tl.load(draft_tokens_ptr + b.to(tl.int64) * K + js, mask=draft_mask, other=0)
     xs = tl.minimum(tl.maximum(x, 0), V - 1)
@@ -277,10 +321,24 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
     t_x = tl.load(target_ptr + pair * V + xs, mask=real, other=0.0).to(tl.float32) * scale
     d_x = tl.load(draft_ptr + (b.to(tl.int64) * K + tl.minimum(js, K - 1)) * V + xs,
                   mask=real, other=0.0).to(tl.float32) * scale
-    lp = t_x - lt
-    lq = d_x - ld
     key_a, key_b = stream_keys_tl(seed, off + js)
     u = uniform_from_keys_tl(key_a, key_b, tl.full([JP2], 0xFFFFFFFF, tl.uint32))
+    if PDL_WAIT:
+        tl.extra.cuda.gdc_wait()
+
+    st_off = (pair[:, None] * S + ss[None, :]) * 4
+    m2 = jmask[:, None] & smask[None, :]
+    lt, mt, st = _combine_lse(tl.load(stats_ptr + st_off, mask=m2, other=float("-inf")),
+                              tl.load(stats_ptr + st_off + 1, mask=m2, other=0.0), 1)
+    ld, md, sd = _combine_lse(tl.load(stats_ptr + st_off + 2, mask=m2, other=float("-inf")),
+                              tl.load(stats_ptr + st_off + 3, mask=m2, other=0.0), 1)
+    # greedy arg-max per position: first split holding the row maximum, then its partial arg-max
+    mpart = tl.load(stats_ptr + st_off, mask=m2, other=float("-inf"))
+    first_split = tl.min(tl.where((mpart == mt[:, None]) & m2, ss[None, :], SP2), axis=1)
+    am = tl.load(argmax_ptr + pair * S + first_split, mask=jmask & (first_split < S), other=V)
+
+    lp = t_x - lt
+    lq = d_x - ld
     acc_s = (lq > float("-inf")) & (tl.log(u) + lq <= lp)
     acc_g = x == am
     acc = real & tl.where(g != 0, acc_g, acc_s)
@@ -304,29 +362,46 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
     rk_a = tl.sum(tl.where(at_stop, key_a, 0), axis=0)  # keys of position `stop` (one RNG call per row)
     rk_b = tl.sum(tl.where(at_stop, key_b, 0), axis=0)
     v_d = tl.where(rejected, V, 0)
-    best_r = float("-inf")
-    idx_r = V
-    best_p = float("-inf")
-    idx_p = V
     mass = tl.zeros([BLOCK], tl.float32)
-    for start in range(lo, hi, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        inb = offs < V
-        t = tl.load(t_base + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale
-        d = tl.load(d_base + offs, mask=offs < v_d, other=float("-inf")).to(tl.float32) * scale
-        best_r, idx_r, best_p, idx_p, mass = _race_tile(t, d, lt_stop, ld_stop, delta_stop, rejected, rk_a, rk_b,
-                                                        offs, best_r, idx_r, best_p, idx_p, mass, V)
+    if LANES:
+        lane_r = tl.full([BLOCK], float("-inf"), tl.float32)
+        lane_ri = tl.zeros([BLOCK], tl.int32) + V
+        lane_p = tl.full([BLOCK], float("-inf"), tl.float32)
+        lane_pi = tl.zeros([BLOCK], tl.int32) + V
+        for start in range(lo, hi, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            t = tl.load(t_base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * scale
+            d = tl.load(d_base + offs, mask=offs < v_d, other=float("-inf")).to(tl.float32) * scale
+            lane_r, lane_ri, lane_p, lane_pi, mass = _race_tile_lanes(
+                t, d, lt_stop, ld_stop, delta_stop, rejected, rk_a, rk_b, offs, lane_r, lane_ri, lane_p, lane_pi,
+                mass)
+        best_r, idx_r = _lanes_winner(lane_r, lane_ri, V)
+        best_p, idx_p = _lanes_winner(lane_p, lane_pi, V)
+    else:
+        best_r = float("-inf")
+        idx_r = V
+        best_p = float("-inf")
+        idx_p = V
+        for start in range(lo, hi, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            inb = offs < V
+            t = tl.load(t_base + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale
+            d = tl.load(d_base + offs, mask=offs < v_d, other=float("-inf")).to(tl.float32) * scale
+            best_r, idx_r, best_p, idx_p, mass = _race_tile(t, d, lt_stop, ld_stop, delta_stop, rejected, rk_a,
+                                                            rk_b, offs, best_r, idx_r, best_p, idx_p, mass, V)
     out = (b.to(tl.int64) * S2 + split) * 5
     tl.store(race_ptr + out, best_r)
     tl.store(race_ptr + out + 1, idx_r.to(tl.float32))
     tl.store(race_ptr + out + 2, best_p)
     tl.store(race_ptr + out + 3, idx_p.to(tl.float32))
     tl.store(race_ptr + out + 4, tl.sum(mass, axis=0))
-    if split == 0:
-        tl.store(info_ptr + b.to(tl.int64) * 4, stop)
-        tl.store(info_ptr + b.to(tl.int64) * 4 + 1, tl.where(am_stop < V, am_stop, -1))
-        tl.store(info_ptr + b.to(tl.int64) * 4 + 2, g)
-        tl.store(info_ptr + b.to(tl.int64) * 4 + 3, rejected.to(tl.int32))
+    greedy_next = tl.where(am_stop < V, am_stop, -1)
+    if not FUSE:
+        if split == 0:
+            tl.store(info_ptr + b.to(tl.int64) * 4, stop)
+            tl.store(info_ptr + b.to(tl.int64) * 4 + 1, greedy_next)
+            tl.store(info_ptr + b.to(tl.int64) * 4 + 2, g)
+            tl.store(info_ptr + b.to(tl.int64) * 4 + 3, rejected.to(tl.int32))
 
     if COMPUTE_SCORES:
         # alpha_j = sum_x min(p_j, q_j) for every position j < K (partial over this chunk)
@@ -345,32 +420,36 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
                 a += tl.sum(tl.exp(tl.minimum(t - lt_j, d - ld_j)), axis=0)
             tl.store(alpha_part_ptr + (b.to(tl.int64) * K + jj) * S2 + split, a)
 
+    if FUSE:
+        # "last one finalises": all of this program's stores happen before its arrival (barrier + release); the
+        # program that sees S2 - 1 earlier arrivals (acquire) reads every partial of the row (L2, not L1).
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + b, 1, sem="acq_rel")
+        if arrived == S2 - 1:
+            _finalize_row(draft_tokens_ptr, race_ptr, tokens_ptr, num_accepted_ptr, alpha_part_ptr, alpha_ptr,
+                          b, stop, greedy_next, g, V, K, S2, MASS_EPS, COMPUTE_SCORES, JP2, SP2B)
+
 
 @triton.jit
-def _finalize_kernel(draft_tokens_ptr, race_ptr, info_ptr, tokens_ptr, num_accepted_ptr, alpha_part_ptr, alpha_ptr,
-                     V, K, S2, MASS_EPS: tl.constexpr, COMPUTE_SCORES: tl.constexpr, JP2: tl.constexpr,
-                     SP2: tl.constexpr):
-    """Combine the race winners of a row (ties to the lowest id) and the partial residual masses; the residual
+def _finalize_row(draft_tokens_ptr, race_ptr, tokens_ptr, num_accepted_ptr, alpha_part_ptr, alpha_ptr,
+                  b, stop, greedy_next, g, V, K, S2, MASS_EPS: tl.constexpr, COMPUTE_SCORES: tl.constexpr,
+                  JP2: tl.constexpr, SP2: tl.constexpr):
+    """Combine the race winners of row ``b`` (ties to the lowest id) and its partial residual masses; the residual
     winner is used only when the mass exceeds ``MASS_EPS``. Writes tokens / num_accepted / alpha."""
-    b = tl.program_id(0)
     ss = tl.arange(0, SP2)
     smask = ss < S2
     base = (b.to(tl.int64) * S2 + ss) * 5
-    r = tl.load(race_ptr + base, mask=smask, other=float("-inf"))
-    ri = tl.load(race_ptr + base + 1, mask=smask, other=0.0).to(tl.int32)
-    p = tl.load(race_ptr + base + 2, mask=smask, other=float("-inf"))
-    pi = tl.load(race_ptr + base + 3, mask=smask, other=0.0).to(tl.int32)
+    r = tl.load(race_ptr + base, mask=smask, other=float("-inf"), cache_modifier=".cg")
+    ri = tl.load(race_ptr + base + 1, mask=smask, other=0.0, cache_modifier=".cg").to(tl.int32)
+    p = tl.load(race_ptr + base + 2, mask=smask, other=float("-inf"), cache_modifier=".cg")
+    pi = tl.load(race_ptr + base + 3, mask=smask, other=0.0, cache_modifier=".cg").to(tl.int32)
     best_r = tl.max(r, axis=0)
     win_r = tl.min(tl.where(smask & (r == best_r) & (r > float("-inf")), ri, V), axis=0)
     best_p = tl.max(p, axis=0)
     win_p = tl.min(tl.where(smask & (p == best_p) & (p > float("-inf")), pi, V), axis=0)
-    mass = tl.sum(tl.load(race_ptr + base + 4, mask=smask, other=0.0), axis=0)
+    mass = tl.sum(tl.load(race_ptr + base + 4, mask=smask, other=0.0, cache_modifier=".cg"), axis=0)
     sampled = tl.where((win_r < V) & (mass > MASS_EPS), win_r, win_p)
     sampled = tl.where(sampled < V, sampled, -1)
-
-    stop = tl.load(info_ptr + b.to(tl.int64) * 4)
-    greedy_next = tl.load(info_ptr + b.to(tl.int64) * 4 + 1)
-    g = tl.load(info_ptr + b.to(tl.int64) * 4 + 2)
     nxt = tl.where(g != 0, greedy_next, sampled)
 
     js = tl.arange(0, JP2)
@@ -380,8 +459,22 @@ def _finalize_kernel(draft_tokens_ptr, race_ptr, info_ptr, tokens_ptr, num_accep
     tl.store(num_accepted_ptr + b, stop.to(tl.int64))
     if COMPUTE_SCORES:
         for jj in range(0, K):
-            a = tl.sum(tl.load(alpha_part_ptr + (b.to(tl.int64) * K + jj) * S2 + ss, mask=smask, other=0.0), axis=0)
+            a = tl.sum(tl.load(alpha_part_ptr + (b.to(tl.int64) * K + jj) * S2 + ss, mask=smask, other=0.0,
+                               cache_modifier=".cg"), axis=0)
             tl.store(alpha_ptr + b.to(tl.int64) * K + jj, a)
+
+
+@triton.jit
+def _finalize_kernel(draft_tokens_ptr, race_ptr, info_ptr, tokens_ptr, num_accepted_ptr, alpha_part_ptr, alpha_ptr,
+                     V, K, S2, MASS_EPS: tl.constexpr, COMPUTE_SCORES: tl.constexpr, JP2: tl.constexpr,
+                     SP2: tl.constexpr):
+    """Third launch of "split" without the fused finalize: :func:`_finalize_row` for row ``program_id(0)``."""
+    b = tl.program_id(0)
+    stop = tl.load(info_ptr + b.to(tl.int64) * 4)
+    greedy_next = tl.load(info_ptr + b.to(tl.int64) * 4 + 1)
+    g = tl.load(info_ptr + b.to(tl.int64) * 4 + 2)
+    _finalize_row(draft_tokens_ptr, race_ptr, tokens_ptr, num_accepted_ptr, alpha_part_ptr, alpha_ptr,
+                  b, stop, greedy_next, g, V, K, S2, MASS_EPS, COMPUTE_SCORES, JP2, SP2)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -495,9 +588,23 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-def _sp2(splits: int) -> int:
-    """Width of the combine tiles: the fixed maximum on the GPU (one compiled variant), tight when interpreted."""
-    return triton.next_power_of_2(splits) if _INTERPRET else _MAX_SPLITS
+_CAPABILITY: dict[int, int] = {}
+
+
+def _capability(device: torch.device) -> int:
+    """Major compute capability (programmatic dependent launch needs sm_90+)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)[0]
+    return _CAPABILITY[index]
+
+
+def _sp2(splits: int, tight: bool = True) -> int:
+    """Width of the combine tiles: the next power of two (at least 2 on the GPU); ``tight=False`` (v4) used the
+    fixed maximum on the GPU (one compiled variant, but a [K+1, 256] combine in every race program)."""
+    if _INTERPRET:
+        return triton.next_power_of_2(splits)
+    return max(2, triton.next_power_of_2(splits)) if tight else _MAX_SPLITS
 
 
 def _split_plan(vocab: int, block: int, rows: int, target_programs: int, max_splits: int | None) -> tuple[int, int]:
@@ -518,6 +625,29 @@ _MAX_SPLITS = 256
 # picks it; it stays available (strategy="seq") for GPUs/shapes where it might pay.
 SEQ_MIN_BATCH = 1 << 62
 
+# Launch plan of the "split" strategy (GPU; the interpreter uses small tiles, see the launcher). Results never
+# depend on these: they only move work between programs.
+#   lanes           lane-wise race winners (one reduction per program instead of four block reductions per tile)
+#   fuse            finalize in the race kernel's last program per row (arrival counter): 2 launches instead of 3
+#   race_block/warps  race tile (None: the stats tile and warps) and warps (None: 4 when B * splits2 < 2 SMs,
+#                   else 8)
+#   race_programs   race grid target, in programs per SM (splits2 = cdiv(race_programs * SMs, B), capped by tiles)
+#   stats_programs  stats grid target, in programs per SM
+#   stats_block/warps  stats tile and warps (None: 4096 / 8 warps when the grid has >= 4 tiles per SM, else 1024 / 4)
+#   tight_sp2       combine tiles sized to the real number of splits (v4: always 256 wide on the GPU)
+#   pdl             0 off; 1 race kernel launched with programmatic dependent launch (prologue before gdc_wait);
+#                   2 also triggers the dependent launch at the start of the stats kernel
+#   stats_prefetch  stats loop issues the next tile's loads before the current tile's arithmetic
+#   stats_only      (benchmark breakdown) launch the stats kernel only; outputs are not written
+TUNE_V4 = dict(lanes=False, fuse=False, race_block=None, race_warps=None, race_programs=4, stats_programs=4,
+               stats_block=None, stats_warps=None, stats_prefetch=False, tight_sp2=False, pdl=0, stats_only=False)
+TUNE_DEFAULT = dict(TUNE_V4, lanes=True, fuse=True, race_block=1024, race_warps=None, race_programs=16,
+                    tight_sp2=True, stats_prefetch=None, pdl=None)
+# v5 automatic choices (None above), each measured on an H200 (benchmarks/NOTES_rejection.md, v5):
+#   stats_prefetch None: on, with a 4096 tile and 16 warps, when the stats grid has one program per (row, position)
+#                   (B (K+1) >= stats_programs * SMs; (128, 8): stats 208 -> 164 us, 96% of copy)
+#   pdl None: 2 when the race grid is small (B * splits2 < 2 SMs: latency-bound, B = 1) on sm_90+, else 0
+
 
 def rejection_sample_triton(
     target_logits: torch.Tensor,
@@ -534,6 +664,7 @@ def rejection_sample_triton(
     block_v: int | None = None,
     num_splits: int | None = None,
     num_warps: int | None = None,
+    tune: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Fused rejection sampling from logits; same contract and results as ``rejection_sample_reference``.
 
@@ -551,6 +682,7 @@ def rejection_sample_triton(
         strategy: "auto" (``"seq"`` for B >= SEQ_MIN_BATCH without scores, else ``"split"``), "split" or "seq".
         block_v, num_splits, num_warps: tuning overrides (vocabulary tile, maximum vocabulary chunks per row,
             warps per program); results do not depend on them.
+        tune: overrides of :data:`TUNE_DEFAULT` (launch plan of "split"; results do not depend on it).
 
     Returns:
         tokens [B, K+1] int64, num_accepted [B] int64, draft_logprob, alpha ([B, K] fp32 or None). A row whose
@@ -596,22 +728,52 @@ def rejection_sample_triton(
         )
         return tokens, num_accepted, None, None
 
+    cfg = dict(TUNE_DEFAULT)
+    if tune:
+        unknown = set(tune) - set(cfg)
+        if unknown:
+            raise ValueError(f"unknown tune keys {sorted(unknown)}")
+        cfg.update(tune)
     pairs = batch * num_positions
     if block_v is not None:
         block = block_v
     elif _INTERPRET:
         block = min(1024, triton.next_power_of_2(vocab))
+    elif cfg["stats_block"] is not None:
+        block = cfg["stats_block"]
     else:
         block = 4096 if pairs * triton.cdiv(vocab, 4096) >= 4 * sms else 1024
-    warps = num_warps or (8 if block >= 4096 else 4)
+    prefetch = cfg["stats_prefetch"]
+    auto_warps = 8 if block >= 4096 else 4
+    if prefetch is None:
+        prefetch = (not _INTERPRET and block_v is None and cfg["stats_block"] is None
+                    and pairs >= cfg["stats_programs"] * sms)
+        if prefetch:
+            block, auto_warps = 4096, 16
+    warps = num_warps or cfg["stats_warps"] or auto_warps
+    race_block = cfg["race_block"] if (cfg["race_block"] is not None and block_v is None and not _INTERPRET) else block
     max_splits = num_splits if num_splits is not None else (2 if _INTERPRET else _MAX_SPLITS)
     max_splits = min(max_splits, _MAX_SPLITS)
-    chunk, splits = _split_plan(vocab, block, pairs, 4 * sms, max_splits)
-    chunk2, splits2 = _split_plan(vocab, block, batch, 4 * sms, max_splits)
+    chunk, splits = _split_plan(vocab, block, pairs, cfg["stats_programs"] * sms, max_splits)
+    chunk2, splits2 = _split_plan(vocab, race_block, batch, cfg["race_programs"] * sms, max_splits)
+    if cfg["race_block"] is None or block_v is not None or _INTERPRET:
+        race_warps = warps
+    else:
+        # few race programs (small B): 4 warps, so the wide [K+1, splits] combine of the prologue does not push the
+        # program to one CTA per SM; many programs: 8 warps (4 elements per thread at 1024, ~64 registers)
+        race_warps = num_warps or cfg["race_warps"] or (4 if batch * splits2 < 2 * sms else 8)
+    fuse = bool(cfg["fuse"])
+    if _INTERPRET:
+        pdl = 0
+    elif cfg["pdl"] is None:
+        pdl = 2 if (batch * splits2 < 2 * sms and _capability(device) >= 9) else 0
+    else:
+        pdl = int(cfg["pdl"])
     stats = torch.empty((pairs, splits, 4), dtype=torch.float32, device=device)
     argmax = torch.empty((pairs, splits), dtype=torch.int32, device=device)
     race = torch.empty((batch, splits2, 5), dtype=torch.float32, device=device)
-    info = torch.empty((batch, 4), dtype=torch.int32, device=device)
+    info = stats if fuse else torch.empty((batch, 4), dtype=torch.int32, device=device)
+    counter = torch.empty((batch,), dtype=torch.int32, device=device) if fuse else argmax
     if compute_scores:
         draft_logprob = torch.empty((batch, num_drafts), dtype=torch.float32, device=device)
         alpha = torch.empty((batch, num_drafts), dtype=torch.float32, device=device)
@@ -619,19 +781,27 @@ def rejection_sample_triton(
     else:
         draft_logprob = alpha = alpha_part = stats  # unused placeholders
     _stats_kernel[(pairs, splits)](
-        target, draft, tokens_in, counts_arg, mask_arg, stats, argmax, inv_t, vocab, num_drafts, chunk, splits,
-        COMPUTE_SCORES=compute_scores, KP2=kp2, BLOCK=block, num_warps=warps, **flags,
-    )
-    _race_kernel[(batch, splits2)](
-        target, draft, tokens_in, counts_arg, mask_arg, seeds, offsets, stats, argmax, race, info, draft_logprob,
-        alpha_part, inv_t, vocab, num_drafts, splits, chunk2, splits2,
-        COMPUTE_SCORES=compute_scores, KP2=kp2, JP2=jp2, SP2=_sp2(splits), BLOCK=block,
+        target, draft, tokens_in, counts_arg, mask_arg, stats, argmax, counter, inv_t, vocab, num_drafts, chunk,
+        splits, COMPUTE_SCORES=compute_scores, KP2=kp2, BLOCK=block, ZERO_COUNTERS=fuse, PDL_TRIGGER=pdl >= 2,
+        PREFETCH=bool(prefetch),
         num_warps=warps, **flags,
     )
-    _finalize_kernel[(batch,)](
-        tokens_in, race, info, tokens, num_accepted, alpha_part, alpha, vocab, num_drafts, splits2,
-        MASS_EPS=RESIDUAL_MASS_EPS, COMPUTE_SCORES=compute_scores, JP2=jp2, SP2=_sp2(splits2), num_warps=1,
+    if cfg["stats_only"]:
+        return tokens, num_accepted, None, None
+    launch = dict(launch_pdl=True) if pdl >= 1 else {}
+    _race_kernel[(batch, splits2)](
+        target, draft, tokens_in, counts_arg, mask_arg, seeds, offsets, stats, argmax, race, info, draft_logprob,
+        alpha_part, counter, tokens, num_accepted, alpha, inv_t, vocab, num_drafts, splits, chunk2, splits2,
+        COMPUTE_SCORES=compute_scores, KP2=kp2, JP2=jp2, SP2=_sp2(splits, cfg["tight_sp2"]), BLOCK=race_block,
+        LANES=bool(cfg["lanes"]), FUSE=fuse, SP2B=_sp2(splits2, cfg["tight_sp2"]), MASS_EPS=RESIDUAL_MASS_EPS,
+        PDL_WAIT=pdl >= 1, num_warps=race_warps, **launch, **flags,
     )
+    if not fuse:
+        _finalize_kernel[(batch,)](
+            tokens_in, race, info, tokens, num_accepted, alpha_part, alpha, vocab, num_drafts, splits2,
+            MASS_EPS=RESIDUAL_MASS_EPS, COMPUTE_SCORES=compute_scores, JP2=jp2,
+            SP2=_sp2(splits2, cfg["tight_sp2"]), num_warps=1,
+        )
     if not compute_scores:
         return tokens, num_accepted, None, None
     return tokens, num_accepted, draft_logprob, alpha

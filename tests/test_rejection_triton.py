@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 import specdec  # noqa: E402
-from specdec.kernels.rejection_sampling import rejection_sample_triton  # noqa: E402
+from specdec.kernels.rejection_sampling import TUNE_V4, rejection_sample_triton  # noqa: E402
 from specdec.kernels.rejection_sampling_reference import rejection_sample_reference  # noqa: E402
 from specdec.metrics import acceptance_from_logits, accepted_count_distribution  # noqa: E402
 
@@ -47,7 +47,7 @@ def make_case(batch, num_drafts, vocab, dtype=torch.float32, seed=0, scale=2.0, 
 def assert_matches_reference(target, draft, drafts, seeds, offsets, temperature, strategies=STRATEGIES, **kwargs):
     """Every strategy gives the reference's tokens and counts exactly; scores (split) agree to fp32 rounding."""
     scores = kwargs.pop("compute_scores", False)
-    tuning = {key: kwargs.pop(key) for key in ("block_v", "num_splits") if key in kwargs}
+    tuning = {key: kwargs.pop(key) for key in ("block_v", "num_splits", "tune") if key in kwargs}
     ref = rejection_sample_reference(target, draft, drafts, seeds, offsets, temperature, compute_scores=scores,
                                      **kwargs)
     for strategy in strategies:
@@ -81,6 +81,39 @@ def test_exact_multi_tile_and_multi_split_with_ragged_last_tile():
     case = make_case(7, 4, 100, torch.bfloat16, seed=3)
     assert_matches_reference(*case, 0.8, block_v=32, num_splits=2)
     assert_matches_reference(*case, 0.8, block_v=32, num_splits=4, compute_scores=True)
+
+
+# Launch plans of "split" (v5 knobs): none of them may change a token or an accepted count.
+LAUNCH_PLANS = {
+    "v4": dict(TUNE_V4),
+    "default": {},
+    "no_lanes": dict(lanes=False),
+    "no_fuse": dict(fuse=False),
+    "v4_fused": dict(TUNE_V4, fuse=True),
+    "prefetch": dict(stats_prefetch=True),
+}
+
+
+@pytest.mark.parametrize("plan", list(LAUNCH_PLANS))
+def test_launch_plans_are_exact_with_scores_greedy_rows_and_ragged_drafts(plan):
+    # 2-4 vocabulary chunks per row of 32-wide tiles (the last ragged): several race programs per row arrive at the
+    # fused finalize; greedy rows, -1 drafts and per-row counts share the batch.
+    target, draft, drafts, seeds, offsets = make_case(7, 4, 100, torch.bfloat16, seed=17)
+    drafts[2, 2:] = -1
+    counts = torch.tensor([4, 3, 4, 0, 2, 4, 1], device=DEVICE)
+    greedy_mask = torch.arange(7, device=DEVICE) % 3 == 1
+    tune = LAUNCH_PLANS[plan]
+    for splits in (2, 4):
+        assert_matches_reference(target, draft, drafts, seeds, offsets, 0.8, strategies=("split",), block_v=32,
+                                 num_splits=splits, tune=tune, greedy_mask=greedy_mask, num_draft_tokens=counts,
+                                 compute_scores=True)
+    assert_matches_reference(target, draft, drafts, seeds, offsets, 0.0, strategies=("split",), tune=tune)
+
+
+def test_unknown_tune_key_is_an_error():
+    case = make_case(1, 1, 100, seed=1)
+    with pytest.raises(ValueError, match="unknown tune"):
+        rejection_sample_triton(*case, 1.0, tune={"race_blok": 64})
 
 
 def test_exact_vocab_8193_not_a_multiple_of_the_tile():
@@ -307,6 +340,23 @@ def test_exact_matrix_gpu(batch, num_drafts, vocab, dtype):
     assert_matches_reference(*case, 1.0)
     greedy_mask = torch.arange(batch, device=DEVICE) % 3 == 1
     assert_matches_reference(*case, 0.7, greedy_mask=greedy_mask)
+
+
+GPU_LAUNCH_PLANS = dict(v4=LAUNCH_PLANS["v4"], default={}, no_fuse=LAUNCH_PLANS["no_fuse"],
+                        prefetch=dict(stats_prefetch=True, stats_block=4096, stats_warps=16),
+                        race512=dict(race_block=512, race_warps=4), pdl1=dict(pdl=1), pdl2=dict(pdl=2))
+
+
+@gpu_only
+@pytest.mark.parametrize("plan", list(GPU_LAUNCH_PLANS))
+@pytest.mark.parametrize("batch,num_drafts,vocab", [(1, 4, 151936), (64, 8, 32000)])
+def test_launch_plans_gpu(plan, batch, num_drafts, vocab):
+    case = make_case(batch, num_drafts, vocab, torch.bfloat16, seed=batch + vocab)
+    tune = GPU_LAUNCH_PLANS[plan]
+    assert_matches_reference(*case, 1.0, strategies=("split",), tune=tune)
+    greedy_mask = torch.arange(batch, device=DEVICE) % 3 == 1
+    assert_matches_reference(*case, 0.7, strategies=("split",), tune=tune, greedy_mask=greedy_mask,
+                             compute_scores=True)
 
 
 @gpu_only
