@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from specdec._models import check_model_pair, model_device, model_vocab_size
 from specdec.metrics import expected_tokens_per_call, speedup
 
 _BOUND_TOL = 1e-5
@@ -115,28 +116,6 @@ def pad_batch(sequences: Sequence[Sequence[int]], pad_token_id: int = 0, side: s
         ids[row, sl] = torch.as_tensor(list(seq), dtype=torch.int64)
         mask[row, sl] = 1
     return ids.to(device), mask.to(device)
-
-
-def model_device(model: torch.nn.Module) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except StopIteration:
-        return torch.device("cpu")
-
-
-def model_vocab_size(model: torch.nn.Module) -> int:
-    """Rows of the output embedding (falls back to ``config.vocab_size``)."""
-    emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if emb is not None and getattr(emb, "weight", None) is not None:
-        return int(emb.weight.shape[0])
-    return int(model.config.vocab_size)
-
-
-def check_model_pair(verifier: object, drafter: object) -> None:
-    for name, model in (("verifier", verifier), ("drafter", drafter)):
-        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
-            raise TypeError(f"{name} must be a Hugging Face causal LM (torch.nn.Module with .config), "
-                            f"got {type(model).__name__}")
 
 
 # ----------------------------------------------------------------------------------------- per-token divergences

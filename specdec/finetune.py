@@ -31,11 +31,9 @@ from typing import Any
 
 import torch
 
+from specdec._models import check_model_pair, model_device, model_vocab_size
 from specdec.fairness import (
-    check_model_pair,
     encode_items,
-    model_device,
-    model_vocab_size,
     pad_batch,
     prefix_logits,
     prefix_rows,

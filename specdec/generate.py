@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from specdec._models import check_model_pair, model_device, model_vocab_size
 from specdec._validation import check_backend, check_temperature, check_tensor
 from specdec.kernels.rejection_sampling_reference import exponential_race
-from specdec.sampling import filter_logits, rejection_sample
+from specdec.sampling import filter_logits, rejection_sample_unchecked
 
 _DRAFT_STREAM_SALT = 0x5DEECE66D  # separates the drafter's random stream from the sampler's
 
@@ -99,23 +100,6 @@ class GenerateOutput:
 
     sequences: torch.Tensor
     stats: SpecDecodeStats
-
-
-def _model_device(model: torch.nn.Module) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except StopIteration:
-        return torch.device("cpu")
-
-
-def _vocab_size(model: torch.nn.Module, name: str) -> int:
-    embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if embeddings is not None and getattr(embeddings, "weight", None) is not None:
-        return int(embeddings.weight.shape[0])
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "vocab_size", None) is None:
-        raise TypeError(f"{name} must be a Hugging Face causal LM with config.vocab_size")
-    return int(config.vocab_size)
 
 
 class _ModelRunner:
@@ -211,10 +195,7 @@ def generate(
     Returns:
         :class:`GenerateOutput` with ``sequences`` [B, L + max generated] and ``stats``.
     """
-    for name, model in (("verifier", verifier), ("drafter", drafter)):
-        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
-            raise TypeError(f"{name} must be a Hugging Face causal LM (torch.nn.Module with .config), "
-                            f"got {type(model).__name__}")
+    check_model_pair(verifier, drafter)
     check_tensor(input_ids, "input_ids", 2, integer_dtype=True, shape_doc="[B, L]")
     batch, prompt_len = input_ids.shape
     if batch == 0 or prompt_len == 0:
@@ -227,7 +208,7 @@ def generate(
                          f"got {tuple(attention_mask.shape)}")
     device = input_ids.device
     for name, tensor_or_model in (("attention_mask", attention_mask), ("verifier", verifier), ("drafter", drafter)):
-        other = tensor_or_model.device if isinstance(tensor_or_model, torch.Tensor) else _model_device(tensor_or_model)
+        other = tensor_or_model.device if isinstance(tensor_or_model, torch.Tensor) else model_device(tensor_or_model)
         if other != device:
             raise ValueError(f"{name} is on {other} but input_ids is on {device}: move them to one device")
     if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
@@ -241,7 +222,7 @@ def generate(
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
     check_backend(backend)
-    verifier_vocab, drafter_vocab = _vocab_size(verifier, "verifier"), _vocab_size(drafter, "drafter")
+    verifier_vocab, drafter_vocab = model_vocab_size(verifier, "verifier"), model_vocab_size(drafter, "drafter")
     if vocab_size is None:
         if verifier_vocab != drafter_vocab:
             raise ValueError(
@@ -326,9 +307,14 @@ def generate(
         start, end = verifier_run.length, cur_len + num_drafts
         target_logits = verifier_run.forward(seq[:, start:end], mask[:, :end], positions[:, start:end],
                                              num_drafts + 1)
-        result = rejection_sample(
-            process(target_logits), draft_logits, draft_tokens, temperature=0.0 if greedy else 1.0,
-            seeds=row_seeds, offsets=stream_offset, backend=backend,
+        sampler_target_logits = process(target_logits)
+        # The sampler's inputs are built here (drafts in [0, V), shapes consistent), so only NaN needs checking:
+        # one fused reduction and one host sync per round instead of the public wrapper's several.
+        if bool(torch.isnan(sampler_target_logits).any() | torch.isnan(draft_logits).any()):
+            raise ValueError("a model produced NaN logits; refusing to turn NaN logits into tokens")
+        result = rejection_sample_unchecked(
+            sampler_target_logits, draft_logits, draft_tokens, 0.0 if greedy else 1.0, backend, row_seeds,
+            stream_offset,
         )
         num_accepted, new_tokens = result.num_accepted, result.tokens
 

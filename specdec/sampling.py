@@ -126,9 +126,29 @@ def rejection_sample(
         seeds = _random_seeds(batch, generator, device)
     if offsets is None:
         offsets = torch.zeros(batch, dtype=torch.int64, device=device)
-    seeds, offsets = seeds.to(torch.int64), offsets.to(torch.int64)
+    return rejection_sample_unchecked(
+        target_logits, draft_logits, draft_tokens, temperature, backend, seeds.to(torch.int64),
+        offsets.to(torch.int64), num_draft_tokens=num_draft_tokens, greedy_mask=greedy_mask,
+        compute_scores=compute_scores,
+    )
 
-    if use_triton(backend, device):
+
+def rejection_sample_unchecked(
+    target_logits: torch.Tensor,
+    draft_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    temperature: float,
+    backend: str,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    num_draft_tokens: torch.Tensor | None = None,
+    greedy_mask: torch.Tensor | None = None,
+    compute_scores: bool = False,
+) -> RejectionSampleOutput:
+    """:func:`rejection_sample` without argument checks (no host sync): for callers such as
+    :func:`specdec.generate` that build valid inputs themselves. Same shapes and dtypes; seeds/offsets required."""
+    if use_triton(backend, target_logits.device):
         from specdec.kernels.rejection_sampling import rejection_sample_triton
 
         impl = rejection_sample_triton

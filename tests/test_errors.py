@@ -106,3 +106,13 @@ def test_backend_triton_on_cpu_without_interpreter_is_refused(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         specdec.rejection_sample(target, draft, drafts, backend="triton")
+
+
+def test_generate_refuses_nan_logits(pair, prompts):
+    verifier, _ = pair
+    broken = tiny_llama(vocab_size=VOCAB, hidden_size=16, num_layers=1, seed=3)
+    with torch.no_grad():
+        broken.lm_head.weight[5, 0] = float("nan")
+    for temperature in (0.0, 1.0):
+        with pytest.raises(ValueError, match="NaN"):
+            specdec.generate(verifier, broken, *prompts, max_new_tokens=4, temperature=temperature)

@@ -49,6 +49,19 @@ def test_greedy_equals_verifier_greedy(verifier, drafters, num_draft_tokens, len
         assert int(stats.accepted.sum()) > 0 and len(set(stats.acceptance_rate.tolist())) > 1
 
 
+def test_greedy_equals_verifier_greedy_with_sdpa_attention():
+    verifier = tiny_llama(vocab_size=VOCAB, hidden_size=64, num_layers=2, seed=0, init_std=0.3)
+    drafter = perturbed_copy(verifier, noise=0.05, seed=1)
+    for model in (verifier, drafter):
+        model.set_attn_implementation("sdpa")
+    input_ids, attention_mask = left_padded_prompts([5, 9, 2, 7], VOCAB, seed=4)
+    expected = _reference(verifier, input_ids, attention_mask, 24, eos_token_id=[])
+    out = specdec.generate(verifier, drafter, input_ids, attention_mask, max_new_tokens=24, num_draft_tokens=3,
+                           pad_token_id=0)
+    assert verifier.config._attn_implementation == "sdpa"
+    assert torch.equal(out.sequences, expected)
+
+
 def test_greedy_rows_stop_at_eos_independently(verifier, drafters):
     input_ids, attention_mask = left_padded_prompts([5, 9, 2, 7], VOCAB, seed=4)
     free_run = _reference(verifier, input_ids, attention_mask, 20, eos_token_id=[])

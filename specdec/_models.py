@@ -1,0 +1,32 @@
+"""Small facts about Hugging Face causal LMs, shared by generate, fairness and finetune."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_model_pair(verifier: object, drafter: object) -> None:
+    """TypeError unless both are torch modules with a ``.config`` (Hugging Face causal LMs)."""
+    for name, model in (("verifier", verifier), ("drafter", drafter)):
+        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+            raise TypeError(f"{name} must be a Hugging Face causal LM (torch.nn.Module with .config), "
+                            f"got {type(model).__name__}")
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Device of the model's first parameter (CPU for a model without parameters)."""
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
+def model_vocab_size(model: torch.nn.Module, name: str = "model") -> int:
+    """Rows of the output embedding, falling back to ``config.vocab_size``; TypeError naming ``name`` if neither."""
+    embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if embeddings is not None and getattr(embeddings, "weight", None) is not None:
+        return int(embeddings.weight.shape[0])
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "vocab_size", None) is None:
+        raise TypeError(f"{name} must be a Hugging Face causal LM with config.vocab_size")
+    return int(config.vocab_size)
