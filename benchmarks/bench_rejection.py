@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, measure_copy_bandwidth, time_do_bench, time_graph  # noqa: E402
 
-from specdec.kernels.rejection_sampling import TUNE_DEFAULT, TUNE_V4, rejection_sample_triton  # noqa: E402
+from specdec.kernels.rejection_sampling import TUNE_DEFAULT, rejection_sample_triton  # noqa: E402
 from specdec.kernels.rejection_sampling_reference import rejection_sample_reference  # noqa: E402
 
 BATCHES = (1, 8, 32, 128)
@@ -97,31 +97,27 @@ def diagnose(s0, out, ref, num_drafts):
               f"{[f'{m:.2e}' for m in margin]} race top2 {top.indices.tolist()} gap {gap:.2e}", flush=True)
 
 
-# Launch-plan sweep: name -> overrides of TUNE_DEFAULT ("v4" = the v4 plan). "stats:" rows time the stats kernel
-# alone (the race + finalize time is the difference).
+# Launch-plan sweep: name -> overrides of TUNE_DEFAULT. "stats:" rows time the stats kernel alone (the race +
+# finalize time is the difference).
 SWEEP = {
-    "v4": dict(TUNE_V4),
     "default": {},
-    "stats:v4": dict(TUNE_V4, stats_only=True),
     "stats:default": dict(stats_only=True),
     "nofuse": dict(fuse=False),
-    "nolanes": dict(lanes=False),
-    "v4+tight_sp2": dict(TUNE_V4, tight_sp2=True),
-    "race512w4": dict(race_block=512, race_warps=4),
-    "race1024w4": dict(race_block=1024, race_warps=4),
-    "race2048w16": dict(race_block=2048, race_warps=16),
+    "race_t2w2": dict(race_tiles=2, race_warps=2),
+    "race_t8w8": dict(race_tiles=8, race_warps=8),
+    "race_t4w8": dict(race_tiles=4, race_warps=8),
+    "race_t1w4": dict(race_tiles=1, race_warps=4),
+    "race_prog4": dict(race_programs=4),
     "race_prog8": dict(race_programs=8),
     "race_prog32": dict(race_programs=32),
-    "stats_prog16": dict(stats_programs=16),
-    "stats_pf": dict(stats_prefetch=True),
-    "stats_pf4096w16": dict(stats_prefetch=True, stats_block=4096, stats_warps=16),
-    "stats:pf4096w16": dict(stats_prefetch=True, stats_block=4096, stats_warps=16, stats_only=True),
+    "race_t8w8_prog8": dict(race_tiles=8, race_warps=8, race_programs=8),
     "stats_prog8": dict(stats_programs=8),
+    "pdl0": dict(pdl=0),
     "pdl1": dict(pdl=1),
-    "pdl2": dict(pdl=2),
     "pdl2+stats_prog8": dict(pdl=2, stats_programs=8),
 }
-SWEEP_SMALL = ("v4", "default", "nofuse", "stats_prog8", "pdl1", "pdl2", "pdl2+stats_prog8", "stats:default")
+SWEEP_SMALL = ("default", "nofuse", "race_t2w2", "race_t8w8", "race_t1w4", "race_prog4", "stats_prog8", "pdl0",
+               "pdl1", "pdl2+stats_prog8", "stats:default")
 SWEEP_LARGE = tuple(name for name in SWEEP if not name.startswith("pdl") and name != "stats_prog8")
 
 
@@ -204,6 +200,7 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="suffix of the CSV name, e.g. _v3")
     parser.add_argument("--sweep", default="", help="V:B:K triples for the launch-plan sweep (first dtype)")
     parser.add_argument("--sweep-seconds", type=float, default=1e9, help="stop the sweep after this")
+    parser.add_argument("--sweep-only", action="store_true", help="run the sweep, not the provider grid")
     parser.add_argument("--providers", default="specdec,specdec_split,specdec_seq,torch_eager,torch_compile,"
                                                "flashinfer,flashinfer_kernel")
     args = parser.parse_args()
@@ -222,6 +219,8 @@ def main() -> None:
         sweep_path = os.path.join(args.out, f"rejection_sweep_{gpu_tag}{args.tag}.csv")
         run_sweep(sweep_shapes, args.dtypes.split(",")[0], sweep_path, l2_bytes, copy_gbps, env,
                   args.sweep_seconds, t_start)
+        if args.sweep_only:
+            return
     fs, fi_note = setup_flashinfer() if any(p.startswith("flashinfer") for p in providers) else (None, "skipped")
     print("#", fi_note, flush=True)
     torch._dynamo.config.cache_size_limit = 256

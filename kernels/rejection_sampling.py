@@ -62,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rejection_sampling_reference import RESIDUAL_MASS_EPS
+from .rejection_sampling_reference import RACE_TILE, RESIDUAL_MASS_EPS, TILE_INDEX_BASE
 from .rng import stream_keys_tl, uniform_from_keys_tl
 
 __all__ = ["rejection_sample_triton"]
@@ -130,53 +130,64 @@ def _residual_mass_terms(t, d, p, delta):
 
 
 @triton.jit
-def _race_tile(t, d, lt, ld, delta, rejected, key_a, key_b, offs, best_r, idx_r, best_p, idx_p, mass, V):
-    """One tile of the two exponential races: on the residual max(0, p - q) (only after a rejection) and on p
-    (the scaled target logits: the normaliser does not move the arg-max). ``mass`` accumulates the residual mass
-    lane-wise ([BLOCK] fp32; reduced once after the loop, no extra barrier per tile)."""
-    u = uniform_from_keys_tl(key_a, key_b, offs)
-    noise = tl.log(-tl.log(u))
-    p = tl.exp(t - lt)
-    resid = p - tl.exp(d - ld)
-    mass += _residual_mass_terms(t, d, p, delta)
-    r_score = tl.where(resid > 0.0, tl.log(resid), float("-inf")) - noise
-    r_score = tl.where(rejected, r_score, float("-inf"))
-    p_score = t - noise
-    tile_r = tl.max(r_score, axis=0)
-    tile_ri = tl.min(tl.where(r_score == tile_r, offs, V), axis=0)
-    upd_r = tile_r > best_r
-    tile_p = tl.max(p_score, axis=0)
-    tile_pi = tl.min(tl.where(p_score == tile_p, offs, V), axis=0)
-    upd_p = tile_p > best_p
-    return (tl.where(upd_r, tile_r, best_r), tl.where(upd_r, tile_ri, idx_r),
-            tl.where(upd_p, tile_p, best_p), tl.where(upd_p, tile_pi, idx_p), mass)
+def _tile_race_update(t, d, lt, delta, tile, rk_a, rk_b, best_r, tile_r, best_p, tile_p, mass,
+                      TILE_BASE: tl.constexpr):
+    """Level 1 of the two-level race for ``TILES`` tiles at once (``t``, ``d``: [TILES, RACE_TILE] scaled logits,
+    ``tile``: [TILES] tile indices).
+
+    Tile masses of the residual ``W_r = sum max(0, p - q)`` and of p, ``log W_p = log sum exp(t)`` up to the row's
+    normaliser (taken from the tile's own maximum: a bonus position has no normaliser, its statistics are never
+    computed), race scores ``log W - log(-log u(TILE_BASE + tile))``: no random numbers per element. Lane-wise
+    winners with a strict ``>`` (a lane sees its tiles in increasing order: lowest tile on ties; NaN never wins).
+    ``mass`` accumulates ``W_r`` per lane; ``lt = -inf`` (no rejection at this row) leaves the residual at 0."""
+    m_c = tl.max(t, axis=1)
+    safe = tl.where(m_c == float("-inf"), 0.0, m_c)
+    e = tl.exp(t - safe[:, None])
+    s_e = tl.sum(e, axis=1)
+    p = e * tl.where(lt > float("-inf"), tl.exp(safe - lt), 0.0)[:, None]
+    w_r = tl.sum(_residual_mass_terms(t, d, p, delta), axis=1)
+    noise = tl.log(-tl.log(uniform_from_keys_tl(rk_a, rk_b, tile.to(tl.uint32) | TILE_BASE)))
+    s_r = tl.where(w_r > 0.0, tl.log(w_r), float("-inf")) - noise
+    s_p = tl.where(s_e > 0.0, safe + tl.log(s_e), float("-inf")) - noise
+    upd_r = s_r > best_r
+    upd_p = s_p > best_p
+    return (tl.where(upd_r, s_r, best_r), tl.where(upd_r, tile, tile_r),
+            tl.where(upd_p, s_p, best_p), tl.where(upd_p, tile, tile_p), mass + w_r)
 
 
 @triton.jit
-def _race_tile_lanes(t, d, lt, ld, delta, rejected, key_a, key_b, offs, best_r, idx_r, best_p, idx_p, mass):
-    """:func:`_race_tile` with lane-wise winners: ``best_*`` / ``idx_*`` are [BLOCK] vectors updated with a strict
-    ``>`` (a lane visits its ids in increasing order, so it keeps the lowest id on ties) and reduced once after the
-    loop by :func:`_lanes_winner`. Same scores, same comparisons, same winner as the per-tile reductions, without
-    four block-wide reductions (barriers) per tile. NaN never wins (``NaN > x`` is false)."""
-    u = uniform_from_keys_tl(key_a, key_b, offs)
-    noise = tl.log(-tl.log(u))
-    p = tl.exp(t - lt)
-    resid = p - tl.exp(d - ld)
-    mass += _residual_mass_terms(t, d, p, delta)
-    r_score = tl.where(resid > 0.0, tl.log(resid), float("-inf")) - noise
-    r_score = tl.where(rejected, r_score, float("-inf"))
-    p_score = t - noise
-    upd_r = r_score > best_r
-    upd_p = p_score > best_p
-    return (tl.where(upd_r, r_score, best_r), tl.where(upd_r, offs, idx_r),
-            tl.where(upd_p, p_score, best_p), tl.where(upd_p, offs, idx_p), mass)
-
-
-@triton.jit
-def _lanes_winner(best, idx, V):
-    """(best score, lowest id holding it) of lane-wise winners; (-inf, V) when no lane has a finite winner."""
+def _lanes_winner(best, idx, none):
+    """(best score, lowest index holding it) of lane-wise winners; (-inf, none) when no lane has a finite one."""
     top = tl.max(best, axis=0)
-    return top, tl.min(tl.where((best == top) & (idx < V), idx, V), axis=0)
+    return top, tl.min(tl.where((best == top) & (idx < none), idx, none), axis=0)
+
+
+@triton.jit
+def _block_race(t, d, offs, sel, residual, lt, delta, rk_a, rk_b, V):
+    """Level 2 over the ids of a loaded block (``t``, ``d``, ``offs`` of any shape; scaled logits) restricted to
+    ``sel``: an exponential race on ``log max(0, p - q)`` (``residual``; the per-element weights of the tile masses)
+    or on the scaled target logits (``p`` up to its normaliser). Returns the lowest id of the best score, or ``V``
+    when no selected id has a finite score (no tile, or NaN / all ``-inf`` logits)."""
+    noise = tl.log(-tl.log(uniform_from_keys_tl(rk_a, rk_b, offs)))
+    if residual:
+        w = _residual_mass_terms(t, d, tl.exp(t - lt), delta)
+        score = tl.where(w > 0.0, tl.log(w), float("-inf")) - noise
+    else:
+        score = t - noise
+    score = tl.where(sel, score, float("-inf"))
+    top = tl.max(tl.max(score, axis=1), axis=0)
+    return tl.min(tl.min(tl.where(sel & (score == top) & (offs < V), offs, V), axis=1), axis=0)
+
+
+@triton.jit
+def _in_tile_race(t_base, d_base, tile, residual, lt, delta, scale, rk_a, rk_b, V, v_d,
+                  RACE_TILE: tl.constexpr):
+    """:func:`_block_race` on ``tile``, loaded again (``tile * RACE_TILE >= V``: no tile, returns ``V``)."""
+    offs = tile * RACE_TILE + tl.arange(0, RACE_TILE)[None, :]
+    inb = offs < V
+    t = tl.load(t_base + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale
+    d = tl.load(d_base + offs, mask=offs < v_d, other=float("-inf")).to(tl.float32) * scale
+    return _block_race(t, d, offs, inb, residual, lt, delta, rk_a, rk_b, V)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -289,14 +300,17 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
                  inv_t, V, K, S, chunk, S2,
                  HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, ALL_GREEDY: tl.constexpr,
                  COMPUTE_SCORES: tl.constexpr, KP2: tl.constexpr, JP2: tl.constexpr, SP2: tl.constexpr,
-                 BLOCK: tl.constexpr, LANES: tl.constexpr, FUSE: tl.constexpr, SP2B: tl.constexpr,
-                 MASS_EPS: tl.constexpr, PDL_WAIT: tl.constexpr):
+                 TILES: tl.constexpr, RACE_TILE: tl.constexpr, TILE_BASE: tl.constexpr, SINGLE: tl.constexpr,
+                 FUSE: tl.constexpr,
+                 SP2B: tl.constexpr, MASS_EPS: tl.constexpr, PDL_WAIT: tl.constexpr):
     """Accept tests (vectorised over positions), stop position, race over one chunk of the stop row.
 
-    race: [B, S2, 5] fp32 (best residual score, its id, best p score, its id, partial residual mass over the
-    chunk; ids are exact in fp32 for V < 2**24); info: [B, 4] int32 (stop, greedy next token or -1, greedy
-    flag, rejected flag); logprob: [B, K]; alpha_part: [B, K, S2].
-    LANES: lane-wise race winners (one reduction after the loop instead of four per tile).
+    race: [B, S2, 6] fp32 (best residual tile score, its tile, best p tile score, its tile, partial residual
+    mass over the chunk, the level-2 winner id inside this program's best tile of the race it ran; tiles and ids
+    are exact in fp32 for V < 2**24); info: [B, 4] int32 (stop, greedy next token or -1, greedy flag, rejected
+    flag); logprob: [B, K]; alpha_part: [B, K, S2].
+    The chunk is a whole number of ``TILES * RACE_TILE`` ids: level 1 (tile masses, one random number per tile)
+    runs over every tile of the chunk, level 2 (one random number per id) over this program's best tile only.
     FUSE: the last program of a row to arrive (arrival counter ``counter[b]``, zeroed by the stats kernel) combines
     the row's partial winners and writes the outputs (:func:`_finalize_row`): no third launch. Without FUSE,
     ``_finalize_kernel`` does that. PDL_WAIT: launched with programmatic dependent launch; everything that does not
@@ -345,7 +359,6 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
     stop = tl.min(tl.where(jmask & (js <= n_b) & (~acc), js, JP2), axis=0)
     at_stop = js == stop
     lt_stop = tl.sum(tl.where(at_stop, lt, 0.0), axis=0)
-    ld_stop = tl.sum(tl.where(at_stop, ld, 0.0), axis=0)
     delta_stop = tl.sum(tl.where(at_stop, (md - mt) + tl.log(sd / st), 0.0), axis=0)  # L_d - L_t, accurately
     am_stop = tl.sum(tl.where(at_stop, am, 0), axis=0)
     rejected = stop < n_b
@@ -362,39 +375,55 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
     rk_a = tl.sum(tl.where(at_stop, key_a, 0), axis=0)  # keys of position `stop` (one RNG call per row)
     rk_b = tl.sum(tl.where(at_stop, key_b, 0), axis=0)
     v_d = tl.where(rejected, V, 0)
-    mass = tl.zeros([BLOCK], tl.float32)
-    if LANES:
-        lane_r = tl.full([BLOCK], float("-inf"), tl.float32)
-        lane_ri = tl.zeros([BLOCK], tl.int32) + V
-        lane_p = tl.full([BLOCK], float("-inf"), tl.float32)
-        lane_pi = tl.zeros([BLOCK], tl.int32) + V
-        for start in range(lo, hi, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            t = tl.load(t_base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * scale
-            d = tl.load(d_base + offs, mask=offs < v_d, other=float("-inf")).to(tl.float32) * scale
-            lane_r, lane_ri, lane_p, lane_pi, mass = _race_tile_lanes(
-                t, d, lt_stop, ld_stop, delta_stop, rejected, rk_a, rk_b, offs, lane_r, lane_ri, lane_p, lane_pi,
-                mass)
-        best_r, idx_r = _lanes_winner(lane_r, lane_ri, V)
-        best_p, idx_p = _lanes_winner(lane_p, lane_pi, V)
-    else:
-        best_r = float("-inf")
-        idx_r = V
-        best_p = float("-inf")
-        idx_p = V
-        for start in range(lo, hi, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            inb = offs < V
-            t = tl.load(t_base + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale
-            d = tl.load(d_base + offs, mask=offs < v_d, other=float("-inf")).to(tl.float32) * scale
-            best_r, idx_r, best_p, idx_p, mass = _race_tile(t, d, lt_stop, ld_stop, delta_stop, rejected, rk_a,
-                                                            rk_b, offs, best_r, idx_r, best_p, idx_p, mass, V)
-    out = (b.to(tl.int64) * S2 + split) * 5
+    NT = (V + RACE_TILE - 1) // RACE_TILE  # number of tiles; "no tile" is NT
+    tiles = tl.arange(0, TILES)
+    cols = tl.arange(0, RACE_TILE)
+    best_r = tl.full([TILES], float("-inf"), tl.float32)
+    tile_r = tl.zeros([TILES], tl.int32) + NT
+    best_p = tl.full([TILES], float("-inf"), tl.float32)
+    tile_p = tl.zeros([TILES], tl.int32) + NT
+    mass = tl.zeros([TILES], tl.float32)
+    # Level 2 runs on this program's best tile of the race the row will most likely use (the residual after a
+    # rejection, p for a bonus token); the finalize redoes it only in the rare residual-mass fallback.
+    if SINGLE:  # the chunk is one block: level 2 on the block still in registers (small B: no second load)
+        tile = lo // RACE_TILE + tiles
+        offs = tile[:, None] * RACE_TILE + cols[None, :]
+        lim = tl.where(lo < hi, V, 0)  # (a scalar-bool & vector-bool mask trips Triton's interpreter)
+        t = tl.load(t_base + offs, mask=offs < lim, other=float("-inf")).to(tl.float32) * scale
+        d = tl.load(d_base + offs, mask=offs < tl.minimum(lim, v_d), other=float("-inf")).to(tl.float32) * scale
+        best_r, tile_r, best_p, tile_p, mass = _tile_race_update(
+            t, d, lt_stop, delta_stop, tile, rk_a, rk_b, best_r, tile_r, best_p, tile_p, mass, TILE_BASE)
+        best_r, win_r = _lanes_winner(best_r, tile_r, NT)
+        best_p, win_p = _lanes_winner(best_p, tile_p, NT)
+        sel = tile[:, None] == tl.where(rejected, win_r, win_p)
+        local_id = _block_race(t, d, offs, sel, rejected, lt_stop, delta_stop, rk_a, rk_b, V)
+    else:  # loop over blocks with the next block's loads issued before this block's arithmetic
+        lim = tl.where(lo < hi, V, 0)
+        offs = (lo // RACE_TILE + tiles)[:, None] * RACE_TILE + cols[None, :]
+        t_nx = tl.load(t_base + offs, mask=offs < lim, other=float("-inf"))
+        d_nx = tl.load(d_base + offs, mask=offs < tl.minimum(lim, v_d), other=float("-inf"))
+        for start in range(lo, hi, TILES * RACE_TILE):
+            tile = start // RACE_TILE + tiles
+            offs = tile[:, None] * RACE_TILE + cols[None, :]
+            t = t_nx.to(tl.float32) * scale
+            d = d_nx.to(tl.float32) * scale
+            lim = tl.where(start + TILES * RACE_TILE < hi, V, 0)
+            nx = offs + TILES * RACE_TILE
+            t_nx = tl.load(t_base + nx, mask=nx < lim, other=float("-inf"))
+            d_nx = tl.load(d_base + nx, mask=nx < tl.minimum(lim, v_d), other=float("-inf"))
+            best_r, tile_r, best_p, tile_p, mass = _tile_race_update(
+                t, d, lt_stop, delta_stop, tile, rk_a, rk_b, best_r, tile_r, best_p, tile_p, mass, TILE_BASE)
+        best_r, win_r = _lanes_winner(best_r, tile_r, NT)
+        best_p, win_p = _lanes_winner(best_p, tile_p, NT)
+        local_id = _in_tile_race(t_base, d_base, tl.where(rejected, win_r, win_p), rejected, lt_stop, delta_stop,
+                                 scale, rk_a, rk_b, V, v_d, RACE_TILE)
+    out = (b.to(tl.int64) * S2 + split) * 6
     tl.store(race_ptr + out, best_r)
-    tl.store(race_ptr + out + 1, idx_r.to(tl.float32))
+    tl.store(race_ptr + out + 1, win_r.to(tl.float32))
     tl.store(race_ptr + out + 2, best_p)
-    tl.store(race_ptr + out + 3, idx_p.to(tl.float32))
+    tl.store(race_ptr + out + 3, win_p.to(tl.float32))
     tl.store(race_ptr + out + 4, tl.sum(mass, axis=0))
+    tl.store(race_ptr + out + 5, local_id.to(tl.float32))
     greedy_next = tl.where(am_stop < V, am_stop, -1)
     if not FUSE:
         if split == 0:
@@ -412,8 +441,8 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
             tb = target_ptr + (b.to(tl.int64) * (K + 1) + jj) * V
             db = draft_ptr + (b.to(tl.int64) * K + jj) * V
             a = 0.0
-            for start in range(lo, tl.minimum(lo + chunk, V), BLOCK):
-                offs = start + tl.arange(0, BLOCK)
+            for start in range(lo, tl.minimum(lo + chunk, V), TILES * RACE_TILE):
+                offs = start + tl.arange(0, TILES * RACE_TILE)
                 inb = offs < V
                 t = tl.load(tb + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale
                 d = tl.load(db + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale
@@ -427,29 +456,38 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
         arrived = tl.atomic_add(counter_ptr + b, 1, sem="acq_rel")
         if arrived == S2 - 1:
             _finalize_row(draft_tokens_ptr, race_ptr, tokens_ptr, num_accepted_ptr, alpha_part_ptr, alpha_ptr,
-                          b, stop, greedy_next, g, V, K, S2, MASS_EPS, COMPUTE_SCORES, JP2, SP2B)
+                          t_base, scale, rk_a, rk_b, b, stop, greedy_next, g, rejected, V, K, S2, MASS_EPS,
+                          COMPUTE_SCORES, JP2, SP2B, RACE_TILE)
 
 
 @triton.jit
 def _finalize_row(draft_tokens_ptr, race_ptr, tokens_ptr, num_accepted_ptr, alpha_part_ptr, alpha_ptr,
-                  b, stop, greedy_next, g, V, K, S2, MASS_EPS: tl.constexpr, COMPUTE_SCORES: tl.constexpr,
-                  JP2: tl.constexpr, SP2: tl.constexpr):
-    """Combine the race winners of row ``b`` (ties to the lowest id) and its partial residual masses; the residual
-    winner is used only when the mass exceeds ``MASS_EPS``. Writes tokens / num_accepted / alpha."""
+                  t_base, scale, rk_a, rk_b, b, stop, greedy_next, g, rejected, V, K, S2,
+                  MASS_EPS: tl.constexpr, COMPUTE_SCORES: tl.constexpr, JP2: tl.constexpr, SP2: tl.constexpr,
+                  RACE_TILE: tl.constexpr):
+    """Combine the level-1 winners of row ``b``'s programs (ties to the lowest tile) and its partial residual
+    masses; take the level-2 id of the program holding the winning tile. The residual race is used only after a
+    rejection whose mass exceeds ``MASS_EPS``; in the rare fallback (rejected, mass <= MASS_EPS) the programs ran
+    level 2 on the residual, so the p race's level 2 runs here. Writes tokens / num_accepted / alpha."""
     ss = tl.arange(0, SP2)
     smask = ss < S2
-    base = (b.to(tl.int64) * S2 + ss) * 5
+    nt = (V + RACE_TILE - 1) // RACE_TILE
+    base = (b.to(tl.int64) * S2 + ss) * 6
     r = tl.load(race_ptr + base, mask=smask, other=float("-inf"), cache_modifier=".cg")
-    ri = tl.load(race_ptr + base + 1, mask=smask, other=0.0, cache_modifier=".cg").to(tl.int32)
+    rt = tl.load(race_ptr + base + 1, mask=smask, other=0.0, cache_modifier=".cg").to(tl.int32)
     p = tl.load(race_ptr + base + 2, mask=smask, other=float("-inf"), cache_modifier=".cg")
-    pi = tl.load(race_ptr + base + 3, mask=smask, other=0.0, cache_modifier=".cg").to(tl.int32)
-    best_r = tl.max(r, axis=0)
-    win_r = tl.min(tl.where(smask & (r == best_r) & (r > float("-inf")), ri, V), axis=0)
-    best_p = tl.max(p, axis=0)
-    win_p = tl.min(tl.where(smask & (p == best_p) & (p > float("-inf")), pi, V), axis=0)
+    pt = tl.load(race_ptr + base + 3, mask=smask, other=0.0, cache_modifier=".cg").to(tl.int32)
+    local = tl.load(race_ptr + base + 5, mask=smask, other=0.0, cache_modifier=".cg").to(tl.int32)
     mass = tl.sum(tl.load(race_ptr + base + 4, mask=smask, other=0.0, cache_modifier=".cg"), axis=0)
-    sampled = tl.where((win_r < V) & (mass > MASS_EPS), win_r, win_p)
-    sampled = tl.where(sampled < V, sampled, -1)
+    use_r = rejected & (mass > MASS_EPS)
+    best = tl.where(use_r, r, p)
+    tiles = tl.where(use_r, rt, pt)
+    top = tl.max(best, axis=0)
+    win = tl.min(tl.where(smask & (best == top) & (best > float("-inf")), tiles, nt), axis=0)
+    sampled = tl.sum(tl.where(smask & (tiles == win), local, 0), axis=0)  # one program holds the winning tile
+    if rejected & (not use_r):
+        sampled = _in_tile_race(t_base, t_base, win, False, 0.0, 0.0, scale, rk_a, rk_b, V, 0, RACE_TILE)
+    sampled = tl.where((win < nt) & (sampled < V), sampled, -1)
     nxt = tl.where(g != 0, greedy_next, sampled)
 
     js = tl.arange(0, JP2)
@@ -465,16 +503,21 @@ def _finalize_row(draft_tokens_ptr, race_ptr, tokens_ptr, num_accepted_ptr, alph
 
 
 @triton.jit
-def _finalize_kernel(draft_tokens_ptr, race_ptr, info_ptr, tokens_ptr, num_accepted_ptr, alpha_part_ptr, alpha_ptr,
-                     V, K, S2, MASS_EPS: tl.constexpr, COMPUTE_SCORES: tl.constexpr, JP2: tl.constexpr,
-                     SP2: tl.constexpr):
+def _finalize_kernel(target_ptr, draft_tokens_ptr, seeds_ptr, offsets_ptr, race_ptr, info_ptr, tokens_ptr,
+                     num_accepted_ptr, alpha_part_ptr, alpha_ptr, inv_t, V, K, S2, MASS_EPS: tl.constexpr,
+                     COMPUTE_SCORES: tl.constexpr, JP2: tl.constexpr, SP2: tl.constexpr, RACE_TILE: tl.constexpr):
     """Third launch of "split" without the fused finalize: :func:`_finalize_row` for row ``program_id(0)``."""
     b = tl.program_id(0)
     stop = tl.load(info_ptr + b.to(tl.int64) * 4)
     greedy_next = tl.load(info_ptr + b.to(tl.int64) * 4 + 1)
     g = tl.load(info_ptr + b.to(tl.int64) * 4 + 2)
+    rejected = tl.load(info_ptr + b.to(tl.int64) * 4 + 3) != 0
+    rk_a, rk_b = stream_keys_tl(tl.load(seeds_ptr + b), tl.load(offsets_ptr + b) + stop)
+    scale = tl.where(g != 0, 1.0, inv_t)
+    t_base = target_ptr + (b.to(tl.int64) * (K + 1) + stop) * V
     _finalize_row(draft_tokens_ptr, race_ptr, tokens_ptr, num_accepted_ptr, alpha_part_ptr, alpha_ptr,
-                  b, stop, greedy_next, g, V, K, S2, MASS_EPS, COMPUTE_SCORES, JP2, SP2)
+                  t_base, scale, rk_a, rk_b, b, stop, greedy_next, g, rejected, V, K, S2, MASS_EPS,
+                  COMPUTE_SCORES, JP2, SP2, RACE_TILE)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -485,8 +528,9 @@ def _finalize_kernel(draft_tokens_ptr, race_ptr, info_ptr, tokens_ptr, num_accep
 def _seq_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy_ptr, seeds_ptr, offsets_ptr,
                 tokens_ptr, num_accepted_ptr, inv_t, V, K,
                 HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, ALL_GREEDY: tl.constexpr, KP2: tl.constexpr,
-                JP2: tl.constexpr, BLOCK: tl.constexpr, MASS_EPS: tl.constexpr):
-    """Whole row in one program: reads positions 0..stop only (plus the stop row again for the race)."""
+                JP2: tl.constexpr, BLOCK: tl.constexpr, MASS_EPS: tl.constexpr, TILES: tl.constexpr,
+                RACE_TILE: tl.constexpr, TILE_BASE: tl.constexpr):
+    """Whole row in one program: reads positions 0..stop only (plus the stop row again for the two-level race)."""
     b = tl.program_id(0)
     n_b, g, scale = _row_setup(draft_tokens_ptr, num_drafts_ptr, greedy_ptr, b, K, inv_t,
                                HAS_COUNTS, HAS_MASK, ALL_GREEDY, KP2)
@@ -498,7 +542,6 @@ def _seq_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy_
     going = n_b * 0 + 1
     stop = n_b
     lt_stop = 0.0
-    ld_stop = 0.0
     delta_stop = 0.0
     am_stop = V
     for j in range(0, K + 1):
@@ -540,7 +583,6 @@ def _seq_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy_
         now = (going != 0) & (~acc)
         stop = tl.where(now, j, stop)
         lt_stop = tl.where(now, lt, lt_stop)
-        ld_stop = tl.where(now, ld, ld_stop)
         delta_stop = tl.where(now, (m_d - m_t) + tl.log(s_d / safe_t), delta_stop)  # L_d - L_t, accurately
         am_stop = tl.where(now, am_i, am_stop)
         going = tl.where(acc, going, 0)
@@ -552,19 +594,24 @@ def _seq_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy_
     rk_a = tl.sum(tl.where(js == stop, key_a, 0), axis=0)  # keys of position `stop` (one RNG call per row)
     rk_b = tl.sum(tl.where(js == stop, key_b, 0), axis=0)
     v_d = tl.where(rejected, V, 0)
-    best_r = float("-inf")
-    idx_r = V
-    best_p = float("-inf")
-    idx_p = V
-    mass = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, hi, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        inb = offs < V
-        t = tl.load(t_base + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale
+    NT = (V + RACE_TILE - 1) // RACE_TILE
+    tiles = tl.arange(0, TILES)
+    cols = tl.arange(0, RACE_TILE)
+    best_r = tl.full([TILES], float("-inf"), tl.float32)
+    tile_r = tl.zeros([TILES], tl.int32) + NT
+    best_p = tl.full([TILES], float("-inf"), tl.float32)
+    tile_p = tl.zeros([TILES], tl.int32) + NT
+    mass = tl.zeros([TILES], tl.float32)
+    for start in range(0, hi, TILES * RACE_TILE):
+        tile = start // RACE_TILE + tiles
+        offs = tile[:, None] * RACE_TILE + cols[None, :]
+        t = tl.load(t_base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * scale
         d = tl.load(d_base + offs, mask=offs < v_d, other=float("-inf")).to(tl.float32) * scale
-        best_r, idx_r, best_p, idx_p, mass = _race_tile(t, d, lt_stop, ld_stop, delta_stop, rejected, rk_a, rk_b,
-                                                        offs, best_r, idx_r, best_p, idx_p, mass, V)
-    sampled = tl.where((idx_r < V) & (tl.sum(mass, axis=0) > MASS_EPS), idx_r, idx_p)
+        best_r, tile_r, best_p, tile_p, mass = _tile_race_update(
+            t, d, lt_stop, delta_stop, tile, rk_a, rk_b, best_r, tile_r, best_p, tile_p, mass, TILE_BASE)
+    use_r = rejected & (tl.sum(mass, axis=0) > MASS_EPS)
+    win = tl.where(use_r, _lanes_winner(best_r, tile_r, NT)[1], _lanes_winner(best_p, tile_p, NT)[1])
+    sampled = _in_tile_race(t_base, d_base, win, use_r, lt_stop, delta_stop, scale, rk_a, rk_b, V, v_d, RACE_TILE)
     nxt = tl.where(g != 0, am_stop, sampled)
     nxt = tl.where(nxt < V, nxt, -1)
     xv = tl.load(draft_tokens_ptr + b.to(tl.int64) * K + js, mask=js < K, other=-1)
@@ -627,10 +674,11 @@ SEQ_MIN_BATCH = 1 << 62
 
 # Launch plan of the "split" strategy (GPU; the interpreter uses small tiles, see the launcher). Results never
 # depend on these: they only move work between programs.
-#   lanes           lane-wise race winners (one reduction per program instead of four block reductions per tile)
 #   fuse            finalize in the race kernel's last program per row (arrival counter): 2 launches instead of 3
-#   race_block/warps  race tile (None: the stats tile and warps) and warps (None: 4 when B * splits2 < 2 SMs,
-#                   else 8)
+#   race_tiles      race tiles of RACE_TILE ids per loop iteration (the race chunk is a multiple of it); with as
+#                   many warps, each warp owns one tile of a [race_tiles, RACE_TILE] block (bf16: 8 ids a thread)
+#                   and the per-tile sums are warp reductions, no barrier
+#   race_warps      race warps (None: 4 when B * splits2 < 2 SMs, else 8)
 #   race_programs   race grid target, in programs per SM (splits2 = cdiv(race_programs * SMs, B), capped by tiles)
 #   stats_programs  stats grid target, in programs per SM
 #   stats_block/warps  stats tile and warps (None: 4096 / 8 warps when the grid has >= 4 tiles per SM, else 1024 / 4)
@@ -639,11 +687,9 @@ SEQ_MIN_BATCH = 1 << 62
 #                   2 also triggers the dependent launch at the start of the stats kernel
 #   stats_prefetch  stats loop issues the next tile's loads before the current tile's arithmetic
 #   stats_only      (benchmark breakdown) launch the stats kernel only; outputs are not written
-TUNE_V4 = dict(lanes=False, fuse=False, race_block=None, race_warps=None, race_programs=4, stats_programs=4,
-               stats_block=None, stats_warps=None, stats_prefetch=False, tight_sp2=False, pdl=0, stats_only=False)
-TUNE_DEFAULT = dict(TUNE_V4, lanes=True, fuse=True, race_block=1024, race_warps=None, race_programs=16,
-                    tight_sp2=True, stats_prefetch=None, pdl=None)
-# v5 automatic choices (None above), each measured on an H200 (benchmarks/NOTES_rejection.md, v5):
+TUNE_DEFAULT = dict(fuse=True, race_tiles=4, race_warps=4, race_programs=16, stats_programs=4, stats_block=None,
+                    stats_warps=None, stats_prefetch=None, tight_sp2=True, pdl=None, stats_only=False)
+# automatic choices (None above), each measured on an H200 (benchmarks/NOTES_rejection.md, v5):
 #   stats_prefetch None: on, with a 4096 tile and 16 warps, when the stats grid has one program per (row, position)
 #                   (B (K+1) >= stats_programs * SMs; (128, 8): stats 208 -> 164 us, 96% of copy)
 #   pdl None: 2 when the race grid is small (B * splits2 < 2 SMs: latency-bound, B = 1) on sm_90+, else 0
@@ -724,7 +770,7 @@ def rejection_sample_triton(
         _seq_kernel[(batch,)](
             target, draft, tokens_in, counts_arg, mask_arg, seeds, offsets, tokens, num_accepted,
             inv_t, vocab, num_drafts, KP2=kp2, JP2=jp2, BLOCK=block, MASS_EPS=RESIDUAL_MASS_EPS,
-            num_warps=num_warps or 8, **flags,
+            TILES=1, RACE_TILE=RACE_TILE, TILE_BASE=TILE_INDEX_BASE, num_warps=num_warps or 8, **flags,
         )
         return tokens, num_accepted, None, None
 
@@ -751,16 +797,16 @@ def rejection_sample_triton(
         if prefetch:
             block, auto_warps = 4096, 16
     warps = num_warps or cfg["stats_warps"] or auto_warps
-    race_block = cfg["race_block"] if (cfg["race_block"] is not None and block_v is None and not _INTERPRET) else block
+    race_tiles = int(cfg["race_tiles"])
     max_splits = num_splits if num_splits is not None else (2 if _INTERPRET else _MAX_SPLITS)
     max_splits = min(max_splits, _MAX_SPLITS)
     chunk, splits = _split_plan(vocab, block, pairs, cfg["stats_programs"] * sms, max_splits)
-    chunk2, splits2 = _split_plan(vocab, race_block, batch, cfg["race_programs"] * sms, max_splits)
-    if cfg["race_block"] is None or block_v is not None or _INTERPRET:
+    chunk2, splits2 = _split_plan(vocab, race_tiles * RACE_TILE, batch, cfg["race_programs"] * sms, max_splits)
+    if _INTERPRET:
         race_warps = warps
     else:
         # few race programs (small B): 4 warps, so the wide [K+1, splits] combine of the prologue does not push the
-        # program to one CTA per SM; many programs: 8 warps (4 elements per thread at 1024, ~64 registers)
+        # program to one CTA per SM; many programs: 8 warps
         race_warps = num_warps or cfg["race_warps"] or (4 if batch * splits2 < 2 * sms else 8)
     fuse = bool(cfg["fuse"])
     if _INTERPRET:
@@ -771,7 +817,7 @@ def rejection_sample_triton(
         pdl = int(cfg["pdl"])
     stats = torch.empty((pairs, splits, 4), dtype=torch.float32, device=device)
     argmax = torch.empty((pairs, splits), dtype=torch.int32, device=device)
-    race = torch.empty((batch, splits2, 5), dtype=torch.float32, device=device)
+    race = torch.empty((batch, splits2, 6), dtype=torch.float32, device=device)
     info = stats if fuse else torch.empty((batch, 4), dtype=torch.int32, device=device)
     counter = torch.empty((batch,), dtype=torch.int32, device=device) if fuse else argmax
     if compute_scores:
@@ -792,15 +838,16 @@ def rejection_sample_triton(
     _race_kernel[(batch, splits2)](
         target, draft, tokens_in, counts_arg, mask_arg, seeds, offsets, stats, argmax, race, info, draft_logprob,
         alpha_part, counter, tokens, num_accepted, alpha, inv_t, vocab, num_drafts, splits, chunk2, splits2,
-        COMPUTE_SCORES=compute_scores, KP2=kp2, JP2=jp2, SP2=_sp2(splits, cfg["tight_sp2"]), BLOCK=race_block,
-        LANES=bool(cfg["lanes"]), FUSE=fuse, SP2B=_sp2(splits2, cfg["tight_sp2"]), MASS_EPS=RESIDUAL_MASS_EPS,
+        COMPUTE_SCORES=compute_scores, KP2=kp2, JP2=jp2, SP2=_sp2(splits, cfg["tight_sp2"]), TILES=race_tiles,
+        RACE_TILE=RACE_TILE, TILE_BASE=TILE_INDEX_BASE, SINGLE=chunk2 == race_tiles * RACE_TILE, FUSE=fuse,
+        SP2B=_sp2(splits2, cfg["tight_sp2"]), MASS_EPS=RESIDUAL_MASS_EPS,
         PDL_WAIT=pdl >= 1, num_warps=race_warps, **launch, **flags,
     )
     if not fuse:
         _finalize_kernel[(batch,)](
-            tokens_in, race, info, tokens, num_accepted, alpha_part, alpha, vocab, num_drafts, splits2,
-            MASS_EPS=RESIDUAL_MASS_EPS, COMPUTE_SCORES=compute_scores, JP2=jp2,
-            SP2=_sp2(splits2, cfg["tight_sp2"]), num_warps=1,
+            target, tokens_in, seeds, offsets, race, info, tokens, num_accepted, alpha_part, alpha, inv_t, vocab,
+            num_drafts, splits2, MASS_EPS=RESIDUAL_MASS_EPS, COMPUTE_SCORES=compute_scores, JP2=jp2,
+            SP2=_sp2(splits2, cfg["tight_sp2"]), RACE_TILE=RACE_TILE, num_warps=4,
         )
     if not compute_scores:
         return tokens, num_accepted, None, None

@@ -6,13 +6,14 @@ Conventions shared with the kernel (``kernels/rejection_sampling.py``):
 * Row ``b`` has ``n_b`` real drafts: ``num_draft_tokens[b]`` capped at the first ``-1`` in ``draft_tokens[b]``.
   Draft ``j < n_b`` is accepted iff ``log u + log q(x) <= log p(x)`` with ``u = uniform(seed_b, offset_b + j,
   ACCEPT_INDEX)`` and ``q(x) > 0`` (a draft the drafter could not have produced is always rejected).
-* At the first rejected position the recovered token is drawn from ``max(0, p - q)`` by an exponential race:
-  ``argmax_x log(max(0, p(x) - q(x))) - log(-log u_x)`` with ``u_x = uniform(seed_b, offset_b + j, x)``, ties to the
-  lowest id, **if** the residual mass ``sum_x max(0, p(x) - q(x))`` (``= TV(p, q)``, the probability that this
-  position is rejected) exceeds :data:`RESIDUAL_MASS_EPS`; otherwise (``p == q`` up to rounding) the race runs on
-  ``p``. See :data:`RESIDUAL_MASS_EPS` for why a threshold, and what it costs.
-* When all ``n_b`` drafts are accepted the bonus token at position ``n_b`` is drawn from ``p`` by the same race on
-  ``target_logits / T`` (the normaliser does not change the argmax).
+* At the first rejected position the recovered token is drawn from the residual ``w(x) = max(0, p(x) - q(x))``
+  (computed as in :func:`residual_weights`) by a two-level exponential race over vocabulary tiles of
+  :data:`RACE_TILE` ids (:func:`tiled_exponential_race`), **if** the residual mass ``sum_x w(x)`` (``= TV(p, q)``,
+  the probability that this position is rejected) exceeds :data:`RESIDUAL_MASS_EPS`; otherwise (``p == q`` up to
+  rounding) the race runs on ``p``. See :data:`RESIDUAL_MASS_EPS` for why a threshold, and what it costs.
+* When all ``n_b`` drafts are accepted the bonus token at position ``n_b`` is drawn from ``p`` by the same race
+  (tile masses of ``p``; inside the tile the scaled logits ``target_logits / T``, whose normaliser does not move the
+  arg-max).
 * Greedy rows (``temperature == 0`` or ``greedy_mask[b]``) use no random numbers: draft ``j`` is accepted iff it
   equals ``argmax target_logits[b, j]`` (ties to the lowest id), and the next token is that argmax.
 """
@@ -22,6 +23,14 @@ from __future__ import annotations
 import torch
 
 from .rng import ACCEPT_INDEX, stream_keys, uniform_from_keys
+
+RACE_TILE = 256
+"""Vocabulary ids per tile of the two-level race (a fixed part of the sampler's definition, not a launch
+parameter: results never depend on how a kernel splits the vocabulary)."""
+
+TILE_INDEX_BASE = 0x80000000
+"""Random-stream index of tile ``c``'s uniform is ``TILE_INDEX_BASE + c``: disjoint from the vocabulary ids
+(``< 2**24`` in the kernel) and from :data:`~specdec.kernels.rng.ACCEPT_INDEX`, so no uniform is used twice."""
 
 RESIDUAL_MASS_EPS = 1e-6
 """Residual mass (fp32) at or below which a rejected position's recovered token is drawn from ``p`` instead of the
@@ -52,43 +61,81 @@ def effective_draft_counts(draft_tokens: torch.Tensor, num_draft_tokens: torch.T
     return torch.minimum(first_pad, num_draft_tokens.to(torch.int64).clamp(0, num_drafts))
 
 
-def exponential_race(scores: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """argmax_x scores[b, x] - log(-log u(seed_b, position_b, x)), ties to the lowest id.
+def exponential_race(scores: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                     ids: torch.Tensor | None = None) -> torch.Tensor:
+    """argmax_x scores[b, x] - log(-log u(seed_b, position_b, id_x)), ties to the first column.
 
-    scores: [B, V] float32 log-weights (``-inf`` = weight 0); seeds, positions: [B] int64. Returns [B] int64.
-    Equivalent to sampling x with probability proportional to exp(scores[b, x]).
+    scores: [B, N] float32 log-weights (``-inf`` = weight 0); seeds, positions: [B] int64; ids: optional [B, N]
+    int64 random-stream indices of the columns (default ``0..N-1``). Returns the winning column [B] int64.
+    Equivalent to sampling a column with probability proportional to exp(scores[b, x]).
 
-    NaN race scores never win (as in the kernel, whose comparisons ignore NaN); the result is ``argmax`` over the
-    others. They occur where the uniform is exactly 1.0 (``(2**24 - 1 + 0.5) * 2**-24`` rounds to 1.0 in fp32,
-    probability 2**-24 per draw, ~1% of races at V ~ 1e5): the exponential noise is then 0, the race score
-    ``scores - log(0)`` is ``+inf`` (that id wins, lowest id on ties) where the weight is positive, and
-    ``-inf + inf = NaN`` where it is 0. ``torch.argmax`` treats NaN as the maximum, so without this rule the
-    reference emitted an id of zero weight (residual or probability 0) and disagreed with the kernel (GPU
-    benchmark row 123 of (B, K, V) = (128, 8, 128256)).
+    NaN race scores never win (as in the kernel, whose comparisons ignore NaN): ``torch.argmax`` would take NaN as
+    the maximum and return a column of zero weight.
     """
-    vocab = scores.shape[-1]
+    if ids is None:
+        ids = torch.arange(scores.shape[-1], device=scores.device, dtype=torch.int64)[None, :]
     key_a, key_b = stream_keys(seeds[:, None], positions[:, None])
-    ids = torch.arange(vocab, device=scores.device, dtype=torch.int64)[None, :]
     exp_noise = -torch.log(uniform_from_keys(key_a, key_b, ids))
     race = scores - torch.log(exp_noise)
     return torch.argmax(torch.where(torch.isnan(race), float("-inf"), race), dim=-1)
 
 
-def _residual_mass(target: torch.Tensor, draft: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """[B] float32 ``sum_x max(0, p(x) - q(x))`` (= TV(p, q)) of scaled logits ``target``, ``draft`` [B, V].
+def tiled_exponential_race(weights: torch.Tensor, scores: torch.Tensor, seeds: torch.Tensor,
+                           positions: torch.Tensor) -> torch.Tensor:
+    """Sample x with probability ``weights[b, x] / sum_x weights[b, x]`` by a two-level exponential race.
 
-    Computed as ``sum_x p(x) * max(0, -expm1(z(x)))`` with ``z = log q - log p = (draft - target) - delta`` and
-    ``delta = L_d - L_t = (m_d - m_t) + log(S_d / S_t)`` (maxima ``m``, ``S = sum exp(x - m)``): no rounded
-    log-sum-exp ``L`` enters, whose fp32 rounding (up to ~1e-6 relative for ``|L|`` ~ 10-40) would scale all of p
-    against all of q and give a ~1e-6 mass where ``q == p`` up to rounding. The kernel uses the same formula.
+    weights: [B, V] float32 >= 0; scores: [B, V] float32, ``log weights`` up to a per-row constant (``-inf`` where
+    the weight is 0); seeds, positions: [B] int64. Returns [B] int64 ids.
+
+    Level 1 races the tiles ``c`` of :data:`RACE_TILE` consecutive ids on their masses ``W_c = sum_{x in c} w(x)``:
+    ``c* = argmax_c log W_c - log(-log u(seed, position, TILE_INDEX_BASE + c))``. Level 2 races the ids of tile
+    ``c*`` on their scores: ``argmax_{x in c*} scores[x] - log(-log u(seed, position, x))``. Ties go to the lowest
+    tile and the lowest id. P(x) = (W_c / W) (w(x) / W_c) = w(x) / W: the same law as one race over all ids, but a
+    kernel needs per-element random numbers (two hashes and two logarithms) only inside the winning tile; every
+    other element costs a sum. An all-zero row returns id 0 (the kernel reports such rows as ``-1``).
+    """
+    vocab = weights.shape[-1]
+    tile_mass = tile_sums(weights)
+    num_tiles = tile_mass.shape[-1]
+    tile_ids = TILE_INDEX_BASE + torch.arange(num_tiles, device=weights.device, dtype=torch.int64)[None, :]
+    tile = exponential_race(torch.log(tile_mass), seeds, positions, tile_ids)
+    ids = tile[:, None] * RACE_TILE + torch.arange(RACE_TILE, device=weights.device, dtype=torch.int64)[None, :]
+    inside = scores.gather(1, ids.clamp(max=vocab - 1)).masked_fill(ids >= vocab, float("-inf"))
+    column = exponential_race(inside, seeds, positions, ids)
+    return ids.gather(1, column[:, None]).squeeze(1)
+
+
+def residual_weights(target: torch.Tensor, draft: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """[B, V] float32 residual ``max(0, p(x) - q(x))`` of scaled logits ``target``, ``draft`` [B, V] (``p`` [B, V]
+    is ``softmax(target)``), the way the kernel computes it.
+
+    ``w = p * (1 - exp(z))`` where ``z = log q - log p = (draft - target) - delta < 0`` (else 0), with
+    ``delta = L_d - L_t = (m_d - m_t) + log(S_d / S_t)`` (maxima ``m``, ``S = sum exp(x - m)``) and a cubic series
+    for ``|z| < 1e-2``. No rounded log-sum-exp ``L`` enters, whose fp32 rounding (up to ~1e-6 relative for ``|L|``
+    ~ 10-40) would scale all of p against all of q and give a ~1e-6 mass where ``q == p`` up to rounding; an exact
+    logit shift gives exactly 0.
     """
     m_t = target.max(dim=-1, keepdim=True).values
     m_d = draft.max(dim=-1, keepdim=True).values
     s_t = torch.exp(target - m_t).sum(dim=-1, keepdim=True)
     s_d = torch.exp(draft - m_d).sum(dim=-1, keepdim=True)
     z = (draft - target) - ((m_d - m_t) + torch.log(s_d / s_t))
-    terms = torch.where(z < 0, p * -torch.expm1(z.clamp(max=0.0)), torch.zeros_like(z))
-    return terms.sum(dim=-1)
+    series = -z * (1.0 + z * (0.5 + z * (1.0 / 6.0)))
+    one_minus = torch.where(z.abs() < 1e-2, series, 1.0 - torch.exp(z))
+    return torch.where(z < 0, p * one_minus, torch.zeros_like(z))
+
+
+def tile_sums(weights: torch.Tensor) -> torch.Tensor:
+    """[B, ceil(V / RACE_TILE)] sums of ``weights`` [B, V] over each tile of :data:`RACE_TILE` consecutive ids."""
+    batch, vocab = weights.shape
+    num_tiles = -(-vocab // RACE_TILE)
+    padded = torch.nn.functional.pad(weights, (0, num_tiles * RACE_TILE - vocab))
+    return padded.view(batch, num_tiles, RACE_TILE).sum(dim=-1)
+
+
+def _residual_mass(target: torch.Tensor, draft: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """[B] float32 ``sum_x max(0, p(x) - q(x))`` (= TV(p, q)), summed tile by tile like the race's tile masses."""
+    return tile_sums(residual_weights(target, draft, p)).sum(dim=-1)
 
 
 def rejection_sample_reference(
@@ -154,12 +201,13 @@ def rejection_sample_reference(
     stop = num_accepted  # position of the recovered or bonus token
     rejected = stop < counts
     p_stop = target_logprob[rows, stop].exp()
-    q_stop = draft_logprob_all[rows, stop.clamp(max=num_drafts - 1)].exp()
-    residual_scores = torch.log(torch.clamp(p_stop - q_stop, min=0.0))
-    residual_mass = _residual_mass(target[rows, stop], draft[rows, stop.clamp(max=num_drafts - 1)], p_stop)
-    use_residual = rejected & (residual_mass > RESIDUAL_MASS_EPS)
-    race_scores = torch.where(use_residual[:, None], residual_scores, target[rows, stop])
-    sampled_token = exponential_race(race_scores, seeds, offsets + stop)
+    target_stop = target[rows, stop]
+    residual = residual_weights(target_stop, draft[rows, stop.clamp(max=num_drafts - 1)], p_stop)
+    residual_mass = tile_sums(residual).sum(dim=-1)
+    use_residual = (rejected & (residual_mass > RESIDUAL_MASS_EPS))[:, None]
+    sampled_token = tiled_exponential_race(torch.where(use_residual, residual, p_stop),
+                                           torch.where(use_residual, torch.log(residual), target_stop),
+                                           seeds, offsets + stop)
     next_token = torch.where(greedy, target_argmax[rows, stop], sampled_token)
 
     tokens = torch.full((batch, num_positions), -1, dtype=torch.int64, device=device)

@@ -214,3 +214,25 @@ def test_race_never_picks_a_zero_weight_id():
     scores[:, 11] = float("nan")  # NaN never wins either
     winners = exponential_race(scores, torch.arange(4096, dtype=torch.int64), torch.zeros(4096, dtype=torch.int64))
     assert bool((winners == 7).all())
+
+
+@pytest.mark.parametrize("race_tile", [8, None])
+def test_two_level_race_follows_the_weights_across_tiles(race_tile, monkeypatch):
+    # Level 1 picks a tile by its mass, level 2 an id inside it: P(x) = w(x) / sum w. Weights with zeros, a ragged
+    # last tile and masses spread over every tile; 8-id tiles (patched) and the real RACE_TILE.
+    from specdec.kernels import rejection_sampling_reference as reference
+
+    if race_tile is not None:
+        monkeypatch.setattr(reference, "RACE_TILE", race_tile)
+    tile = reference.RACE_TILE
+    vocab, rows = 3 * tile + tile // 2, 60000 if race_tile else 20000
+    generator = torch.Generator().manual_seed(21)
+    size = min(40, vocab // 2)
+    support = torch.randperm(vocab, generator=generator)[:size]  # ids spread over all 4 tiles
+    weights = torch.zeros(vocab)
+    weights[support] = torch.rand(size, generator=generator) + 0.05
+    probs = weights / weights.sum()
+    seeds = torch.arange(rows, dtype=torch.int64) * 7919 + 3
+    winners = reference.tiled_exponential_race(weights.expand(rows, -1), torch.log(weights).expand(rows, -1), seeds,
+                                               torch.full((rows,), 5, dtype=torch.int64))
+    assert_follows(torch.bincount(winners, minlength=vocab), probs, what=f"tile {tile}")

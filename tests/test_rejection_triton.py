@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 import specdec  # noqa: E402
-from specdec.kernels.rejection_sampling import TUNE_V4, rejection_sample_triton  # noqa: E402
+from specdec.kernels.rejection_sampling import rejection_sample_triton  # noqa: E402
 from specdec.kernels.rejection_sampling_reference import rejection_sample_reference  # noqa: E402
 from specdec.metrics import acceptance_from_logits, accepted_count_distribution  # noqa: E402
 
@@ -83,28 +83,27 @@ def test_exact_multi_tile_and_multi_split_with_ragged_last_tile():
     assert_matches_reference(*case, 0.8, block_v=32, num_splits=4, compute_scores=True)
 
 
-# Launch plans of "split" (v5 knobs): none of them may change a token or an accepted count.
+# Launch plans of "split": none of them may change a token or an accepted count.
 LAUNCH_PLANS = {
-    "v4": dict(TUNE_V4),
     "default": {},
-    "no_lanes": dict(lanes=False),
     "no_fuse": dict(fuse=False),
-    "v4_fused": dict(TUNE_V4, fuse=True),
+    "race_tiles_2": dict(race_tiles=2),
     "prefetch": dict(stats_prefetch=True),
 }
 
 
 @pytest.mark.parametrize("plan", list(LAUNCH_PLANS))
 def test_launch_plans_are_exact_with_scores_greedy_rows_and_ragged_drafts(plan):
-    # 2-4 vocabulary chunks per row of 32-wide tiles (the last ragged): several race programs per row arrive at the
-    # fused finalize; greedy rows, -1 drafts and per-row counts share the batch.
-    target, draft, drafts, seeds, offsets = make_case(7, 4, 100, torch.bfloat16, seed=17)
+    # V = 2600: 11 race tiles of 256 ids in 3 blocks of 1024 (the last ragged), 2-3 race programs per row that
+    # arrive at the fused finalize, 2-4 stats chunks of 256-wide tiles; greedy rows, -1 drafts and per-row counts
+    # share the batch.
+    target, draft, drafts, seeds, offsets = make_case(7, 4, 2600, torch.bfloat16, seed=17)
     drafts[2, 2:] = -1
     counts = torch.tensor([4, 3, 4, 0, 2, 4, 1], device=DEVICE)
     greedy_mask = torch.arange(7, device=DEVICE) % 3 == 1
     tune = LAUNCH_PLANS[plan]
     for splits in (2, 4):
-        assert_matches_reference(target, draft, drafts, seeds, offsets, 0.8, strategies=("split",), block_v=32,
+        assert_matches_reference(target, draft, drafts, seeds, offsets, 0.8, strategies=("split",), block_v=256,
                                  num_splits=splits, tune=tune, greedy_mask=greedy_mask, num_draft_tokens=counts,
                                  compute_scores=True)
     assert_matches_reference(target, draft, drafts, seeds, offsets, 0.0, strategies=("split",), tune=tune)
@@ -342,9 +341,10 @@ def test_exact_matrix_gpu(batch, num_drafts, vocab, dtype):
     assert_matches_reference(*case, 0.7, greedy_mask=greedy_mask)
 
 
-GPU_LAUNCH_PLANS = dict(v4=LAUNCH_PLANS["v4"], default={}, no_fuse=LAUNCH_PLANS["no_fuse"],
+GPU_LAUNCH_PLANS = dict(default={}, no_fuse=LAUNCH_PLANS["no_fuse"],
                         prefetch=dict(stats_prefetch=True, stats_block=4096, stats_warps=16),
-                        race512=dict(race_block=512, race_warps=4), pdl1=dict(pdl=1), pdl2=dict(pdl=2))
+                        race_tiles4=dict(race_tiles=4, race_warps=4), race_programs4=dict(race_programs=4),
+                        pdl1=dict(pdl=1), pdl2=dict(pdl=2))
 
 
 @gpu_only
