@@ -103,22 +103,21 @@ SWEEP = {
     "default": {},
     "stats:default": dict(stats_only=True),
     "nofuse": dict(fuse=False),
+    "race_t1w1": dict(race_tiles=1, race_warps=1),
     "race_t2w2": dict(race_tiles=2, race_warps=2),
+    "race_t4w4": dict(race_tiles=4, race_warps=4),
     "race_t8w8": dict(race_tiles=8, race_warps=8),
-    "race_t4w8": dict(race_tiles=4, race_warps=8),
-    "race_t1w4": dict(race_tiles=1, race_warps=4),
-    "race_prog4": dict(race_programs=4),
+    "race_prog2": dict(race_programs=2),
     "race_prog8": dict(race_programs=8),
-    "race_prog32": dict(race_programs=32),
-    "race_t8w8_prog8": dict(race_tiles=8, race_warps=8, race_programs=8),
+    "race_prog16": dict(race_programs=16),
     "stats_prog8": dict(stats_programs=8),
     "pdl0": dict(pdl=0),
     "pdl1": dict(pdl=1),
-    "pdl2+stats_prog8": dict(pdl=2, stats_programs=8),
+    "t1w1+stats_prog8": dict(race_tiles=1, race_warps=1, stats_programs=8),
 }
-SWEEP_SMALL = ("default", "nofuse", "race_t2w2", "race_t8w8", "race_t1w4", "race_prog4", "stats_prog8", "pdl0",
-               "pdl1", "pdl2+stats_prog8", "stats:default")
-SWEEP_LARGE = tuple(name for name in SWEEP if not name.startswith("pdl") and name != "stats_prog8")
+SWEEP_SMALL = ("default", "race_t1w1", "race_t4w4", "race_prog8", "race_prog16", "stats_prog8", "pdl0", "pdl1",
+               "t1w1+stats_prog8", "stats:default")
+SWEEP_LARGE = ("default", "nofuse", "race_t2w2", "race_t8w8", "race_prog2", "race_prog8", "stats:default")
 
 
 def run_sweep(shapes, dtype_name, out_path, l2_bytes, copy_gbps, env, max_seconds, t_start):

@@ -441,12 +441,12 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
             tb = target_ptr + (b.to(tl.int64) * (K + 1) + jj) * V
             db = draft_ptr + (b.to(tl.int64) * K + jj) * V
             a = 0.0
-            for start in range(lo, tl.minimum(lo + chunk, V), TILES * RACE_TILE):
-                offs = start + tl.arange(0, TILES * RACE_TILE)
-                inb = offs < V
-                t = tl.load(tb + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale
-                d = tl.load(db + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale
-                a += tl.sum(tl.exp(tl.minimum(t - lt_j, d - ld_j)), axis=0)
+            for a_start in range(lo, tl.minimum(lo + chunk, V), TILES * RACE_TILE):
+                a_offs = a_start + tl.arange(0, TILES * RACE_TILE)
+                a_in = a_offs < V
+                a_t = tl.load(tb + a_offs, mask=a_in, other=float("-inf")).to(tl.float32) * scale
+                a_d = tl.load(db + a_offs, mask=a_in, other=float("-inf")).to(tl.float32) * scale
+                a += tl.sum(tl.exp(tl.minimum(a_t - lt_j, a_d - ld_j)), axis=0)
             tl.store(alpha_part_ptr + (b.to(tl.int64) * K + jj) * S2 + split, a)
 
     if FUSE:
@@ -678,7 +678,8 @@ SEQ_MIN_BATCH = 1 << 62
 #   race_tiles      race tiles of RACE_TILE ids per loop iteration (the race chunk is a multiple of it); with as
 #                   many warps, each warp owns one tile of a [race_tiles, RACE_TILE] block (bf16: 8 ids a thread)
 #                   and the per-tile sums are warp reductions, no barrier
-#   race_warps      race warps (None: 4 when B * splits2 < 2 SMs, else 8)
+#   race_warps      race warps
+#                   (race_tiles, race_warps) None: (2, 2) for B <= 8 (more, smaller programs: latency), else (4, 4)
 #   race_programs   race grid target, in programs per SM (splits2 = cdiv(race_programs * SMs, B), capped by tiles)
 #   stats_programs  stats grid target, in programs per SM
 #   stats_block/warps  stats tile and warps (None: 4096 / 8 warps when the grid has >= 4 tiles per SM, else 1024 / 4)
@@ -687,12 +688,12 @@ SEQ_MIN_BATCH = 1 << 62
 #                   2 also triggers the dependent launch at the start of the stats kernel
 #   stats_prefetch  stats loop issues the next tile's loads before the current tile's arithmetic
 #   stats_only      (benchmark breakdown) launch the stats kernel only; outputs are not written
-TUNE_DEFAULT = dict(fuse=True, race_tiles=4, race_warps=4, race_programs=16, stats_programs=4, stats_block=None,
+TUNE_DEFAULT = dict(fuse=True, race_tiles=None, race_warps=None, race_programs=4, stats_programs=4, stats_block=None,
                     stats_warps=None, stats_prefetch=None, tight_sp2=True, pdl=None, stats_only=False)
 # automatic choices (None above), each measured on an H200 (benchmarks/NOTES_rejection.md, v5):
 #   stats_prefetch None: on, with a 4096 tile and 16 warps, when the stats grid has one program per (row, position)
 #                   (B (K+1) >= stats_programs * SMs; (128, 8): stats 208 -> 164 us, 96% of copy)
-#   pdl None: 2 when the race grid is small (B * splits2 < 2 SMs: latency-bound, B = 1) on sm_90+, else 0
+#   pdl None: 2 for B <= 8 (latency-bound) on sm_90+, else 0
 
 
 def rejection_sample_triton(
@@ -797,22 +798,17 @@ def rejection_sample_triton(
         if prefetch:
             block, auto_warps = 4096, 16
     warps = num_warps or cfg["stats_warps"] or auto_warps
-    race_tiles = int(cfg["race_tiles"])
+    race_tiles = int(cfg["race_tiles"] or (2 if batch <= 8 else 4))
     max_splits = num_splits if num_splits is not None else (2 if _INTERPRET else _MAX_SPLITS)
     max_splits = min(max_splits, _MAX_SPLITS)
     chunk, splits = _split_plan(vocab, block, pairs, cfg["stats_programs"] * sms, max_splits)
     chunk2, splits2 = _split_plan(vocab, race_tiles * RACE_TILE, batch, cfg["race_programs"] * sms, max_splits)
-    if _INTERPRET:
-        race_warps = warps
-    else:
-        # few race programs (small B): 4 warps, so the wide [K+1, splits] combine of the prologue does not push the
-        # program to one CTA per SM; many programs: 8 warps
-        race_warps = num_warps or cfg["race_warps"] or (4 if batch * splits2 < 2 * sms else 8)
+    race_warps = num_warps or cfg["race_warps"] or race_tiles  # one warp per tile of a race block
     fuse = bool(cfg["fuse"])
     if _INTERPRET:
         pdl = 0
     elif cfg["pdl"] is None:
-        pdl = 2 if (batch * splits2 < 2 * sms and _capability(device) >= 9) else 0
+        pdl = 2 if (batch <= 8 and _capability(device) >= 9) else 0
     else:
         pdl = int(cfg["pdl"])
     stats = torch.empty((pairs, splits, 4), dtype=torch.float32, device=device)
