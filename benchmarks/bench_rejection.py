@@ -114,10 +114,15 @@ SWEEP = {
     "pdl0": dict(pdl=0),
     "pdl1": dict(pdl=1),
     "t1w1+stats_prog8": dict(race_tiles=1, race_warps=1, stats_programs=8),
+    "stats_pf": dict(stats_prefetch=True),
+    "stats_pf4096w16": dict(stats_prefetch=True, stats_block=4096, stats_warps=16),
+    "stats_pf+prog8": dict(stats_prefetch=True, stats_programs=8),
+    "stats:pf": dict(stats_prefetch=True, stats_only=True),
 }
 SWEEP_SMALL = ("default", "race_t1w1", "race_t4w4", "race_prog8", "race_prog16", "stats_prog8", "pdl0", "pdl1",
                "t1w1+stats_prog8", "stats:default")
-SWEEP_LARGE = ("default", "nofuse", "race_t2w2", "race_t8w8", "race_prog2", "race_prog8", "stats:default")
+SWEEP_LARGE = ("default", "race_prog2", "race_prog8", "stats_prog8", "stats_pf", "stats_pf4096w16", "stats_pf+prog8",
+               "stats:default", "stats:pf")
 
 
 def run_sweep(shapes, dtype_name, out_path, l2_bytes, copy_gbps, env, max_seconds, t_start):

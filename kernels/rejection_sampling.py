@@ -395,8 +395,8 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
             t, d, lt_stop, delta_stop, tile, rk_a, rk_b, best_r, tile_r, best_p, tile_p, mass, TILE_BASE)
         best_r, win_r = _lanes_winner(best_r, tile_r, NT)
         best_p, win_p = _lanes_winner(best_p, tile_p, NT)
-        sel = tile[:, None] == tl.where(rejected, win_r, win_p)
-        local_id = _block_race(t, d, offs, sel, rejected, lt_stop, delta_stop, rk_a, rk_b, V)
+        in_win = tile[:, None] == tl.where(rejected, win_r, win_p)
+        local_id = _block_race(t, d, offs, in_win, rejected, lt_stop, delta_stop, rk_a, rk_b, V)
     else:  # loop over blocks with the next block's loads issued before this block's arithmetic
         lim = tl.where(lo < hi, V, 0)
         offs = (lo // RACE_TILE + tiles)[:, None] * RACE_TILE + cols[None, :]
@@ -679,7 +679,7 @@ SEQ_MIN_BATCH = 1 << 62
 #                   many warps, each warp owns one tile of a [race_tiles, RACE_TILE] block (bf16: 8 ids a thread)
 #                   and the per-tile sums are warp reductions, no barrier
 #   race_warps      race warps
-#                   (race_tiles, race_warps) None: (2, 2) for B <= 8 (more, smaller programs: latency), else (4, 4)
+#                   (race_tiles, race_warps) None: (2, 2) for B <= 2 (more, smaller programs: latency), else (4, 4)
 #   race_programs   race grid target, in programs per SM (splits2 = cdiv(race_programs * SMs, B), capped by tiles)
 #   stats_programs  stats grid target, in programs per SM
 #   stats_block/warps  stats tile and warps (None: 4096 / 8 warps when the grid has >= 4 tiles per SM, else 1024 / 4)
@@ -798,7 +798,7 @@ def rejection_sample_triton(
         if prefetch:
             block, auto_warps = 4096, 16
     warps = num_warps or cfg["stats_warps"] or auto_warps
-    race_tiles = int(cfg["race_tiles"] or (2 if batch <= 8 else 4))
+    race_tiles = int(cfg["race_tiles"] or (2 if batch <= 2 else 4))
     max_splits = num_splits if num_splits is not None else (2 if _INTERPRET else _MAX_SPLITS)
     max_splits = min(max_splits, _MAX_SPLITS)
     chunk, splits = _split_plan(vocab, block, pairs, cfg["stats_programs"] * sms, max_splits)

@@ -28,9 +28,11 @@ RACE_TILE = 256
 """Vocabulary ids per tile of the two-level race (a fixed part of the sampler's definition, not a launch
 parameter: results never depend on how a kernel splits the vocabulary)."""
 
-TILE_INDEX_BASE = 0x80000000
+TILE_INDEX_BASE = 0x40000000
 """Random-stream index of tile ``c``'s uniform is ``TILE_INDEX_BASE + c``: disjoint from the vocabulary ids
-(``< 2**24`` in the kernel) and from :data:`~specdec.kernels.rng.ACCEPT_INDEX`, so no uniform is used twice."""
+(``V < 2**24`` in the kernel; ``specdec.rejection_sample`` refuses ``V >= 2**30``) and from
+:data:`~specdec.kernels.rng.ACCEPT_INDEX`, so no uniform is used twice. (Below 2**31 so that compiled int32 index
+arithmetic, e.g. torch.compile's Triton code for this reference, cannot overflow.)"""
 
 RESIDUAL_MASS_EPS = 1e-6
 """Residual mass (fp32) at or below which a rejected position's recovered token is drawn from ``p`` instead of the

@@ -89,8 +89,8 @@ def rejection_sample(
         raise ValueError(
             f"target_logits must have K+1 >= 2 positions ([B, K+1, V]), got shape {tuple(target_logits.shape)}"
         )
-    if vocab < 1:
-        raise ValueError("target_logits must have a vocabulary dimension V >= 1")
+    if not 1 <= vocab < 2**30:
+        raise ValueError(f"target_logits must have a vocabulary dimension V in [1, 2**30), got V={vocab}")
     if tuple(draft_logits.shape) != (batch, num_drafts, vocab):
         raise ValueError(
             f"draft_logits must have shape [B, K, V] = {(batch, num_drafts, vocab)} to match target_logits "

@@ -87,6 +87,8 @@ def test_rejection_sample_rejects_bad_inputs():
         ((target, draft, drafts), {"num_draft_tokens": torch.tensor([1, 4])}, ValueError, "num_draft_tokens"),
         ((target, draft, drafts), {"greedy_mask": torch.tensor([1, 0])}, ValueError, "greedy_mask"),
         ((target, draft.to("meta"), drafts), {"check_nan": False}, ValueError, "device"),
+        ((torch.zeros(1, 1, 1).expand(2, 4, 2**30), torch.zeros(1, 1, 1).expand(2, 3, 2**30), drafts), {},
+         ValueError, "2\\*\\*30"),  # (expanded views: no memory) tile stream indices start at 2**30
     ]
     for args, kwargs, error, match in cases:
         with pytest.raises(error, match=match):
