@@ -118,11 +118,11 @@ SWEEP = {
     "stats_pf4096w16": dict(stats_prefetch=True, stats_block=4096, stats_warps=16),
     "stats_pf+prog8": dict(stats_prefetch=True, stats_programs=8),
     "stats:pf": dict(stats_prefetch=True, stats_only=True),
+    "stats_nopf": dict(stats_prefetch=False),
+    "no_preload": dict(race_preload=False),
 }
-SWEEP_SMALL = ("default", "race_t1w1", "race_t4w4", "race_prog8", "race_prog16", "stats_prog8", "pdl0", "pdl1",
-               "t1w1+stats_prog8", "stats:default")
-SWEEP_LARGE = ("default", "race_prog2", "race_prog8", "stats_prog8", "stats_pf", "stats_pf4096w16", "stats_pf+prog8",
-               "stats:default", "stats:pf")
+SWEEP_SMALL = ("default", "no_preload", "stats_nopf", "race_t4w4", "stats_prog8", "pdl0", "stats:default")
+SWEEP_LARGE = ("default", "stats_nopf", "race_prog8", "stats_prog8", "stats:default")
 
 
 def run_sweep(shapes, dtype_name, out_path, l2_bytes, copy_gbps, env, max_seconds, t_start):
