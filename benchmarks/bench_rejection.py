@@ -119,9 +119,8 @@ SWEEP = {
     "stats_pf+prog8": dict(stats_prefetch=True, stats_programs=8),
     "stats:pf": dict(stats_prefetch=True, stats_only=True),
     "stats_nopf": dict(stats_prefetch=False),
-    "no_preload": dict(race_preload=False),
 }
-SWEEP_SMALL = ("default", "no_preload", "stats_nopf", "race_t4w4", "stats_prog8", "pdl0", "stats:default")
+SWEEP_SMALL = ("default", "stats_pf", "stats_nopf", "race_t4w4", "stats_prog8", "pdl0", "stats:default")
 SWEEP_LARGE = ("default", "stats_nopf", "race_prog8", "stats_prog8", "stats:default")
 
 

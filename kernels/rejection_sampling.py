@@ -301,7 +301,7 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
                  HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, ALL_GREEDY: tl.constexpr,
                  COMPUTE_SCORES: tl.constexpr, KP2: tl.constexpr, JP2: tl.constexpr, SP2: tl.constexpr,
                  TILES: tl.constexpr, RACE_TILE: tl.constexpr, TILE_BASE: tl.constexpr, SINGLE: tl.constexpr,
-                 PRELOAD: tl.constexpr, FUSE: tl.constexpr,
+                 FUSE: tl.constexpr,
                  SP2B: tl.constexpr, MASS_EPS: tl.constexpr, PDL_WAIT: tl.constexpr):
     """Accept tests (vectorised over positions), stop position, race over one chunk of the stop row.
 
@@ -337,17 +337,6 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
                   mask=real, other=0.0).to(tl.float32) * scale
     key_a, key_b = stream_keys_tl(seed, off + js)
     u = uniform_from_keys_tl(key_a, key_b, tl.full([JP2], 0xFFFFFFFF, tl.uint32))
-    if PRELOAD:  # (SINGLE, small B) this program's block of every position, before the stop position is known
-        p_offs = ((split * chunk) // RACE_TILE + tl.arange(0, TILES))[:, None] * RACE_TILE + \
-            tl.arange(0, RACE_TILE)[None, :]
-        j3 = js[:, None, None]
-        o3 = p_offs[None, :, :]
-        lim_t = tl.where(j3 < K + 1, V, 0)
-        lim_d = tl.where(j3 < K, V, 0)
-        t_all = tl.load(target_ptr + (b.to(tl.int64) * (K + 1) + j3) * V + o3, mask=o3 < lim_t,
-                        other=float("-inf"))
-        d_all = tl.load(draft_ptr + (b.to(tl.int64) * K + tl.minimum(j3, K - 1)) * V + o3, mask=o3 < lim_d,
-                        other=float("-inf"))
     if PDL_WAIT:
         tl.extra.cuda.gdc_wait()
 
@@ -399,15 +388,9 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
     if SINGLE:  # the chunk is one block: level 2 on the block still in registers (small B: no second load)
         tile = lo // RACE_TILE + tiles
         offs = tile[:, None] * RACE_TILE + cols[None, :]
-        if PRELOAD:
-            at3 = js[:, None, None] == stop
-            t = tl.sum(tl.where(at3, t_all.to(tl.float32), 0.0), axis=0) * scale
-            d = tl.sum(tl.where(at3 & rejected, d_all.to(tl.float32), 0.0), axis=0) * scale
-            d = tl.where(rejected, d, float("-inf"))
-        else:
-            lim = tl.where(lo < hi, V, 0)  # (a scalar-bool & vector-bool mask trips Triton's interpreter)
-            t = tl.load(t_base + offs, mask=offs < lim, other=float("-inf")).to(tl.float32) * scale
-            d = tl.load(d_base + offs, mask=offs < tl.minimum(lim, v_d), other=float("-inf")).to(tl.float32) * scale
+        lim = tl.where(lo < hi, V, 0)  # (a scalar-bool & vector-bool mask trips Triton's interpreter)
+        t = tl.load(t_base + offs, mask=offs < lim, other=float("-inf")).to(tl.float32) * scale
+        d = tl.load(d_base + offs, mask=offs < tl.minimum(lim, v_d), other=float("-inf")).to(tl.float32) * scale
         best_r, tile_r, best_p, tile_p, mass = _tile_race_update(
             t, d, lt_stop, delta_stop, tile, rk_a, rk_b, best_r, tile_r, best_p, tile_p, mass, TILE_BASE)
         best_r, win_r = _lanes_winner(best_r, tile_r, NT)
@@ -697,8 +680,6 @@ SEQ_MIN_BATCH = 1 << 62
 #                   and the per-tile sums are warp reductions, no barrier
 #   race_warps      race warps
 #                   (race_tiles, race_warps) None: (2, 2) for B <= 2 (more, smaller programs: latency), else (4, 4)
-#   race_preload    (one block per race program) load the block of every position before the stop position is
-#                   known, overlapping the stats kernel under PDL (None: on for B <= 2 and (K+1) * tiles <= 16)
 #   race_programs   race grid target, in programs per SM (splits2 = cdiv(race_programs * SMs, B), capped by tiles)
 #   stats_programs  stats grid target, in programs per SM
 #   stats_block/warps  stats tile and warps (None: 4096 / 8 warps when the grid has >= 4 tiles per SM, else 1024 / 4)
@@ -707,13 +688,13 @@ SEQ_MIN_BATCH = 1 << 62
 #                   2 also triggers the dependent launch at the start of the stats kernel
 #   stats_prefetch  stats loop issues the next tile's loads before the current tile's arithmetic
 #   stats_only      (benchmark breakdown) launch the stats kernel only; outputs are not written
-TUNE_DEFAULT = dict(fuse=True, race_tiles=None, race_warps=None, race_preload=None, race_programs=4,
-                    stats_programs=4, stats_block=None, stats_warps=None, stats_prefetch=None, tight_sp2=True,
-                    pdl=None, stats_only=False)
+TUNE_DEFAULT = dict(fuse=True, race_tiles=None, race_warps=None, race_programs=4, stats_programs=4, stats_block=None,
+                    stats_warps=None, stats_prefetch=None, tight_sp2=True, pdl=None, stats_only=False)
 # automatic choices (None above), each measured on an H200 (benchmarks/NOTES_rejection.md, v5):
-#   stats_prefetch None: on with the 4096 tile (B (K+1) tiles >= 4 per SM), with 16 warps when the stats grid has one
-#                   program per (row, position) (B (K+1) >= stats_programs * SMs; (128, 8): stats 208 -> 164 us, 96%
-#                   of copy); v8c sweep: (32, 8, 32000) 24.8 -> 22.5 us, (32, 4, 151936) 49.3 -> 45.1 us
+#   stats_prefetch None: on for B >= 16 with the 4096 tile (B (K+1) tiles >= 4 per SM), with 16 warps when the stats
+#                   grid has one program per (row, position) (B (K+1) >= stats_programs * SMs; (128, 8): stats
+#                   208 -> 164 us, 96% of copy). v9 sweep: (32, 8, 32000) 24.7 -> 23.2 us, (32, 4, 151936)
+#                   49.0 -> 44.9 us, (128, 8, 151936) 261 -> 215 us; but (8, 4, 151936) 22.1 -> 27.1 us (with PDL)
 #   pdl None: 2 for B <= 8 (latency-bound) on sm_90+, else 0
 
 
@@ -814,7 +795,7 @@ def rejection_sample_triton(
     prefetch = cfg["stats_prefetch"]
     auto_warps = 8 if block >= 4096 else 4
     if prefetch is None:
-        prefetch = not _INTERPRET and block_v is None and cfg["stats_block"] is None and block == 4096
+        prefetch = not _INTERPRET and block_v is None and cfg["stats_block"] is None and block == 4096 and batch >= 16
         if prefetch and pairs >= cfg["stats_programs"] * sms:
             auto_warps = 16
     warps = num_warps or cfg["stats_warps"] or auto_warps
@@ -824,11 +805,6 @@ def rejection_sample_triton(
     chunk, splits = _split_plan(vocab, block, pairs, cfg["stats_programs"] * sms, max_splits)
     chunk2, splits2 = _split_plan(vocab, race_tiles * RACE_TILE, batch, cfg["race_programs"] * sms, max_splits)
     race_warps = num_warps or cfg["race_warps"] or race_tiles  # one warp per tile of a race block
-    single = chunk2 == race_tiles * RACE_TILE
-    preload = cfg["race_preload"]
-    if preload is None:
-        preload = batch <= 2 and jp2 * race_tiles <= 16
-    preload = bool(preload) and single
     fuse = bool(cfg["fuse"])
     if _INTERPRET:
         pdl = 0
@@ -860,7 +836,7 @@ def rejection_sample_triton(
         target, draft, tokens_in, counts_arg, mask_arg, seeds, offsets, stats, argmax, race, info, draft_logprob,
         alpha_part, counter, tokens, num_accepted, alpha, inv_t, vocab, num_drafts, splits, chunk2, splits2,
         COMPUTE_SCORES=compute_scores, KP2=kp2, JP2=jp2, SP2=_sp2(splits, cfg["tight_sp2"]), TILES=race_tiles,
-        RACE_TILE=RACE_TILE, TILE_BASE=TILE_INDEX_BASE, SINGLE=single, PRELOAD=preload, FUSE=fuse,
+        RACE_TILE=RACE_TILE, TILE_BASE=TILE_INDEX_BASE, SINGLE=chunk2 == race_tiles * RACE_TILE, FUSE=fuse,
         SP2B=_sp2(splits2, cfg["tight_sp2"]), MASS_EPS=RESIDUAL_MASS_EPS,
         PDL_WAIT=pdl >= 1, num_warps=race_warps, **launch, **flags,
     )

@@ -109,23 +109,6 @@ def test_launch_plans_are_exact_with_scores_greedy_rows_and_ragged_drafts(plan):
     assert_matches_reference(target, draft, drafts, seeds, offsets, 0.0, strategies=("split",), tune=tune)
 
 
-@pytest.mark.parametrize("num_drafts", [1, 4])
-def test_race_preload_small_batch_is_exact_and_nan_safe(num_drafts):
-    # B <= 2, one race block per program: every position's block is loaded before the stop position is known (under
-    # PDL on the GPU); the stop row is then selected in registers. V = 700: 2 programs of 512 ids, the last ragged.
-    case = make_case(2, num_drafts, 700, torch.bfloat16, seed=num_drafts)
-    greedy_mask = torch.tensor([False, True], device=DEVICE)
-    for tune in (dict(race_preload=True), dict(race_preload=False)):
-        assert_matches_reference(*case, 1.0, strategies=("split",), tune=tune)
-        assert_matches_reference(*case, 0.7, strategies=("split",), tune=tune, greedy_mask=greedy_mask,
-                                 compute_scores=True)
-        assert_matches_reference(*case, 0.0, strategies=("split",), tune=tune)
-    target, draft, drafts, seeds, offsets = case
-    target[0] = float("nan")
-    tokens, _, _, _ = rejection_sample_triton(target, draft, drafts, seeds, offsets, 1.0, tune=dict(race_preload=True))
-    assert bool(((tokens >= -1) & (tokens < 700)).all())
-
-
 def test_unknown_tune_key_is_an_error():
     case = make_case(1, 1, 100, seed=1)
     with pytest.raises(ValueError, match="unknown tune"):
@@ -361,7 +344,7 @@ def test_exact_matrix_gpu(batch, num_drafts, vocab, dtype):
 GPU_LAUNCH_PLANS = dict(default={}, no_fuse=LAUNCH_PLANS["no_fuse"],
                         prefetch=dict(stats_prefetch=True, stats_block=4096, stats_warps=16),
                         race_tiles4=dict(race_tiles=4, race_warps=4), race_programs8=dict(race_programs=8),
-                        no_preload=dict(race_preload=False), no_stats_prefetch=dict(stats_prefetch=False),
+                        no_stats_prefetch=dict(stats_prefetch=False),
                         pdl1=dict(pdl=1), pdl2=dict(pdl=2))
 
 
