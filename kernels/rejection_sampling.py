@@ -14,15 +14,20 @@ Mathematics (per row ``b``, position ``j``; ``s_b = 1/T`` for sampled rows and `
     log p_j(x) = s_b * target[b, j, x] - L_t[j],   log q_j(x) = s_b * draft[b, j, x] - L_d[j]
     accept_j  = q_j(x_j) > 0  and  log u_j + log q_j(x_j) <= log p_j(x_j),  u_j = U(seed_b, off_b + j, ACCEPT)
     stop      = first j < n_b that is rejected, else n_b               (= num_accepted)
-    m         = sum_x max(0, p_stop(x) - q_stop(x))            residual mass = TV(p, q) = P(reject at stop)
-    next      = argmax_x log(max(0, p_stop(x) - q_stop(x))) - log(-log U(seed_b, off_b + stop, x))
-                                                                        if rejected and m > RESIDUAL_MASS_EPS
-              = argmax_x s_b * target[b, stop, x] - log(-log U(...))                                  otherwise
+    w(x)      = max(0, p_stop(x) - q_stop(x))  if rejected and sum_x w(x) > RESIDUAL_MASS_EPS     (residual)
+              = p_stop(x)                       otherwise                         (bonus token, or p == q)
+    next      = two-level exponential race on w (tiles of RACE_TILE = 256 consecutive ids):
+                c*   = argmax_c log W_c - log(-log U(seed_b, off_b + stop, TILE_INDEX_BASE + c))
+                       with the tile masses W_c = sum_{x in c} w(x)
+                next = argmax_{x in c*} log w(x) - log(-log U(seed_b, off_b + stop, x))
+                (inside the tile the p race scores s_b * target[b, stop, x]: the normaliser does not move the argmax)
     greedy rows: accept_j = (x_j == argmax_x target[b, j, x]) (lowest id on ties), next = that argmax at ``stop``.
 
-The exponential race (Gumbel-max) needs no normalised residual and decomposes over vocabulary tiles: each tile
-keeps its best (score, lowest id), tiles and programs combine with ``>`` in id order. The residual mass ``m`` is
-accumulated lane-wise in the same pass (per-program partial sums, added up by the finalize kernel in "split").
+The race needs no normalised residual. Level 1 costs a sum per element (tile masses; one random number per tile),
+level 2 two hashes and two logarithms per element of the winning tile only; P(x) = (W_c / W) (w(x) / W_c) = w(x) / W,
+the law of one race over the whole vocabulary (which v6 ran: 2 hashes + 6 MUFU per element, the bottleneck at large
+B). Ties go to the lowest tile and the lowest id. The residual mass ``sum_x w(x)`` (= TV(p, q) = P(reject at stop))
+is the sum of the tile masses.
 
 **Residual-mass threshold** (:data:`~specdec.kernels.rejection_sampling_reference.RESIDUAL_MASS_EPS` = 1e-6,
 shared with the reference): when ``q == p`` up to rounding the residual is fp32 noise whose support depends on the
@@ -38,14 +43,18 @@ Two launch strategies compute the same function:
   (1) ``_stats_kernel``, grid ``(B*(K+1), S)``: every program reduces one vocabulary chunk of one (row, position)
   pair to partial (max, sum-exp) of target and draft and, for greedy rows, the lowest arg-max. Positions past a
   row's last draft are skipped. (2) ``_race_kernel``, grid ``(B, S2)``: every program combines the partials of its
-  row (vectorised over positions), runs the accept tests, finds the stop position, then runs the exponential race
-  on its vocabulary chunk of the stop row only (and, with ``compute_scores``, partial alpha sums for all
-  positions). (3) the last race program of each row (arrival counter), or ``_finalize_kernel`` with grid ``(B,)``
-  when not fused: combines the race winners and the partial residual masses, and writes the outputs.
+  row (vectorised over positions), runs the accept tests, finds the stop position, then runs level 1 of the race on
+  its vocabulary chunk of the stop row only (blocks of ``race_tiles`` tiles, one warp per tile, so the tile sums are
+  warp reductions) and level 2 on its best tile (from registers when the chunk is one block); with
+  ``compute_scores`` also partial alpha sums for all positions. (3) the last race program of each row (arrival
+  counter), or ``_finalize_kernel`` with grid ``(B,)`` when not fused: picks the winning tile among the programs'
+  best ones, takes the level-2 id of the program holding it and writes the outputs (in the rare fallback, rejected
+  with residual mass <= RESIDUAL_MASS_EPS, it runs level 2 of the p race itself).
   Splitting the vocabulary keeps every SM busy at B = 1.
 * ``"seq"`` (opt-in; never faster on an H200, see ``benchmarks/NOTES_rejection.md``): one launch, one program per
   row, positions in order with **early exit**: rows past the first rejection are never read. Bytes read are about
-  ``2 * (stop + 1) * V`` per row plus the re-read of the stop row for the race, instead of ``(2K + 1) * V``.
+  ``2 * (stop + 1) * V`` per row plus the re-read of the stop row for the race, instead of ``(2K + 1) * V``;
+  the same two-level race (tiles one at a time, then the winning tile again).
 
 Safety: all row offsets are int64; lanes past ``V`` load as ``-inf``; draft ids are clamped to ``[0, V)`` before a
 gather; ``-1`` drafts end a row; ``q(draft) = 0`` is always rejected. **NaN / all ``-inf`` rows:** the public
