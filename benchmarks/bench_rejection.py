@@ -38,7 +38,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, measure_copy_bandwidth, time_do_bench, time_graph  # noqa: E402
 
 from specdec.kernels.rejection_sampling import TUNE_DEFAULT, rejection_sample_triton  # noqa: E402
-from specdec.kernels.rejection_sampling_reference import rejection_sample_reference  # noqa: E402
+from specdec.kernels.rejection_sampling_reference import (  # noqa: E402
+    TILE_INDEX_BASE,
+    rejection_sample_reference,
+    tile_sums,
+)
 
 BATCHES = (1, 8, 32, 128)
 DRAFTS = (1, 4, 8)
@@ -87,14 +91,16 @@ def diagnose(s0, out, ref, num_drafts):
                                torch.full_like(pos, ACCEPT_INDEX)).double())
         margin = (lp[pos, x] - lq[pos, x] - lu).tolist()
         stop = int(ref[1][b])
-        ids = torch.arange(t.shape[-1], device=t.device)
-        noise = torch.log(-torch.log(uniform(s0["seeds"][b].expand_as(ids), s0["offsets"][b] + stop, ids).double()))
         resid = (lp[stop].exp() - (lq[min(stop, num_drafts - 1)].exp() if stop < num_drafts else 0)).clamp(min=0)
-        score = torch.log(resid) - noise if stop < num_drafts else t[stop] - noise
-        top = torch.topk(score, 2)
+        weights = resid if stop < num_drafts else lp[stop].exp()
+        masses = tile_sums(weights[None])[0]  # level 1 of the race: tile scores in float64
+        tiles = torch.arange(masses.shape[0], device=t.device)
+        noise = torch.log(-torch.log(uniform(s0["seeds"][b].expand_as(tiles), s0["offsets"][b] + stop,
+                                             TILE_INDEX_BASE + tiles).double()))
+        top = torch.topk(torch.log(masses) - noise, 2)
         gap = float(top.values[0] - top.values[1])
         print(f"#   row {b}: ref {ref[0][b].tolist()} got {out[0][b].tolist()} accept margins(f64) "
-              f"{[f'{m:.2e}' for m in margin]} race top2 {top.indices.tolist()} gap {gap:.2e}", flush=True)
+              f"{[f'{m:.2e}' for m in margin]} tile race top2 {top.indices.tolist()} gap {gap:.2e}", flush=True)
 
 
 # Launch-plan sweep: name -> overrides of TUNE_DEFAULT. "stats:" rows time the stats kernel alone (the race +
