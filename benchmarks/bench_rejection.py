@@ -125,9 +125,13 @@ SWEEP = {
     "stats_pf+prog8": dict(stats_prefetch=True, stats_programs=8),
     "stats:pf": dict(stats_prefetch=True, stats_only=True),
     "stats_nopf": dict(stats_prefetch=False),
+    "stats_b2048": dict(stats_block=2048, stats_warps=8),
+    "stats_b2048pf": dict(stats_block=2048, stats_warps=8, stats_prefetch=True),
+    "race_t4w8": dict(race_tiles=4, race_warps=8),
 }
 SWEEP_SMALL = ("default", "stats_pf", "stats_nopf", "race_t4w4", "stats_prog8", "pdl0", "stats:default")
-SWEEP_LARGE = ("default", "stats_nopf", "race_prog8", "stats_prog8", "stats:default")
+SWEEP_LARGE = ("default", "stats_nopf", "stats_b2048", "stats_b2048pf", "race_t2w2", "race_t4w8", "race_t8w8",
+               "race_prog8", "stats:default")
 
 
 def run_sweep(shapes, dtype_name, out_path, l2_bytes, copy_gbps, env, max_seconds, t_start):
