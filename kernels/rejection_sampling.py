@@ -748,6 +748,8 @@ def rejection_sample_triton(
     """
     if strategy not in ("auto", "split", "seq"):
         raise ValueError(f"strategy must be 'auto', 'split' or 'seq', got {strategy!r}")
+    if block_v is not None and (block_v < 8 or block_v & (block_v - 1)):
+        raise ValueError(f"block_v must be a power of two >= 8, got {block_v}")
     batch, num_positions, vocab = target_logits.shape
     num_drafts = num_positions - 1
     device = target_logits.device
@@ -796,7 +798,7 @@ def rejection_sample_triton(
     if block_v is not None:
         block = block_v
     elif _INTERPRET:
-        block = min(1024, triton.next_power_of_2(vocab))
+        block = min(1024, max(8, triton.next_power_of_2(vocab)))  # the stats tile is [BLOCK // 8, 8]
     elif cfg["stats_block"] is not None:
         block = cfg["stats_block"]
     else:

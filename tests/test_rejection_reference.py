@@ -48,8 +48,14 @@ def _assert_positions_follow_p(tokens: torch.Tensor, target: torch.Tensor, tempe
         assert_follows(counts, p[j], what=f"{what} position {j}")
 
 
+@pytest.mark.parametrize("race_tile", [None, 2])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_emitted_tokens_follow_p_and_accept_counts_match_closed_form(temperature):
+def test_emitted_tokens_follow_p_and_accept_counts_match_closed_form(temperature, race_tile, monkeypatch):
+    # race_tile 2 (patched): 3 tiles of the two-level race at V = 6, so level 1 decides every recovered/bonus token
+    if race_tile is not None:
+        from specdec.kernels import rejection_sampling_reference as reference
+
+        monkeypatch.setattr(reference, "RACE_TILE", race_tile)
     vocab, num_drafts = 6, 3
     target, draft = _random_case(vocab, num_drafts, seed=1)
     drafts = _sample_drafts(draft, ROWS, temperature, seed=2)

@@ -115,6 +115,15 @@ def test_unknown_tune_key_is_an_error():
         rejection_sample_triton(*case, 1.0, tune={"race_blok": 64})
 
 
+@pytest.mark.parametrize("vocab", [1, 3])
+def test_tiny_vocabularies_are_exact(vocab):
+    # V below the stats tile's 8-wide inner dimension (the interpreter sizes tiles from V)
+    case = make_case(3, 2, vocab, seed=vocab)
+    assert_matches_reference(*case, 1.0)
+    with pytest.raises(ValueError, match="block_v"):
+        rejection_sample_triton(*case, 1.0, block_v=4)
+
+
 def test_exact_vocab_8193_not_a_multiple_of_the_tile():
     case = make_case(1, 1, 8193, torch.bfloat16, seed=4)
     assert_matches_reference(*case, 1.0)
@@ -280,7 +289,7 @@ def test_public_api_triton_backend_equals_torch_backend():
 # Statistics through the Triton backend: emitted tokens follow p, accepted counts follow the closed form
 
 
-def _statistical_check(strategy: str, rows: int, temperature: float, seed: int):
+def _statistical_check(strategy: str, rows: int, temperature: float, seed: int, tune: dict | None = None):
     vocab, num_drafts = 5, 2
     gen = torch.Generator().manual_seed(seed)
     target = (torch.randn(num_drafts + 1, vocab, generator=gen) * 1.5).to(DEVICE)
@@ -296,7 +305,7 @@ def _statistical_check(strategy: str, rows: int, temperature: float, seed: int):
     else:
         tokens, accepted, _, _ = rejection_sample_triton(
             target.expand(rows, -1, -1), draft.expand(rows, -1, -1), drafts, seeds, torch.zeros_like(seeds),
-            temperature, strategy=strategy)
+            temperature, strategy=strategy, tune=tune)
         tokens, accepted = tokens.cpu(), accepted.cpu()
     positions = torch.arange(num_drafts + 1)
     assert bool(((tokens >= 0) == (positions[None] <= accepted[:, None])).all())
@@ -323,6 +332,18 @@ def test_statistics_through_triton_backend(strategy):
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_statistics_gpu_many_rows(strategy, temperature):
     _statistical_check(strategy, 100_000, temperature, seed=31)
+
+
+@pytest.mark.parametrize("race_tiles", [1, 4])
+def test_statistics_through_triton_with_two_level_race_across_tiles(race_tiles, monkeypatch):
+    # 2-id race tiles (patched into the launcher): V = 5 has 3 tiles, the last ragged, so level 1 of the race decides
+    # every recovered and bonus token; race_tiles 1 spreads them over 2 programs (loop path, fused finalize),
+    # race_tiles 4 puts them in one block (level 2 from registers).
+    import specdec.kernels.rejection_sampling as kernel
+
+    monkeypatch.setattr(kernel, "RACE_TILE", 2)
+    rows = 100_000 if CUDA else STAT_ROWS["split"]
+    _statistical_check("split", rows, 0.8, seed=23 + race_tiles, tune=dict(race_tiles=race_tiles))
 
 
 # ---------------------------------------------------------------------------------------------------------------
