@@ -811,6 +811,8 @@ def rejection_sample_triton(
             auto_warps = 16
     warps = num_warps or cfg["stats_warps"] or auto_warps
     race_tiles = int(cfg["race_tiles"] or (2 if batch <= 2 else 4))
+    if race_tiles < 1 or race_tiles & (race_tiles - 1):
+        raise ValueError(f"tune['race_tiles'] must be a power of two >= 1, got {race_tiles}")
     max_splits = num_splits if num_splits is not None else (2 if _INTERPRET else _MAX_SPLITS)
     max_splits = min(max_splits, _MAX_SPLITS)
     chunk, splits = _split_plan(vocab, block, pairs, cfg["stats_programs"] * sms, max_splits)

@@ -113,6 +113,8 @@ def test_unknown_tune_key_is_an_error():
     case = make_case(1, 1, 100, seed=1)
     with pytest.raises(ValueError, match="unknown tune"):
         rejection_sample_triton(*case, 1.0, tune={"race_blok": 64})
+    with pytest.raises(ValueError, match="race_tiles"):
+        rejection_sample_triton(*case, 1.0, tune={"race_tiles": 3})
 
 
 @pytest.mark.parametrize("vocab", [1, 3])
