@@ -138,11 +138,11 @@ def main() -> None:
         dra = (torch.randn(n, v, device="cuda", generator=g) * 2).to(dtype)
         grad = torch.empty_like(dra)
         floor_fwd = 2 * ver.numel() * 2
-        configs = [dict(split=0)]
-        configs += [dict(split=1, spin=1, block=b, num_warps=w, chunk_tiles=t, chunk_programs_per_sm=pps)
-                    for b, w in ((2048, 4), (4096, 8), (1024, 4)) for t in (2, 4, 8) for pps in (0, 2)
-                    if b * t <= 16384]
-        configs += [dict(split=1, spin=0, chunk_tiles=4)]
+        configs = [dict(split=0), dict(split=1, spin=1, block=2048, num_warps=4, chunk_tiles=8)]
+        configs += [dict(split=2, spin=1, resident_chunk=c, resident_warps=w, resident_reuse=reuse)
+                    for c, w in ((4096, 4), (4096, 8), (8192, 4), (8192, 8), (8192, 16), (16384, 8), (16384, 16))
+                    for reuse in (1, 0)]
+        configs += [dict(split=2, spin=0, resident_chunk=8192, resident_warps=8)]
         best = None
         reference = None
         for cfg in configs:
@@ -159,12 +159,19 @@ def main() -> None:
                 print("config failed", cfg, repr(exc)[:300], flush=True)
                 continue
             vals = torch.stack([out.cross_entropy, out.kl, out.tv, out.alpha])
+            loss()
             if reference is None:
-                reference = vals
-            err = float((vals - reference).abs().max())
-            ok = bool(torch.isfinite(vals).all()) and err < 1e-4
+                reference = (vals, grad.clone())
+            err = float((vals - reference[0]).abs().max())
+            grad_err = float((grad.float() - reference[1].float()).abs().max())
+            ok = bool(torch.isfinite(vals).all()) and err < 1e-4 and grad_err < 1e-6
+            info = {k: v for k, v in kdiv.KERNEL_INFO.items()
+                    if k[0] == "resident" and k[5] == cfg.get("resident_chunk") and k[2] == cfg.get("resident_warps")
+                    and k[6] == bool(cfg.get("resident_reuse"))}
             print(f"sweep {cfg}: fwd {t_fwd:.3f} ms ({100 * floor_fwd / (t_fwd * 1e-3) / 1e9 / copy_gbps:.0f}% copy) "
-                  f"loss-kernel {t_loss:.3f} ms  max|diff| vs first {err:.2e} {'ok' if ok else 'WRONG'}", flush=True)
+                  f"loss-kernel {t_loss:.3f} ms ({100 * 1.5 * floor_fwd / (t_loss * 1e-3) / 1e9 / copy_gbps:.0f}% "
+                  f"copy)  max|diff| vs first {err:.2e} grad {grad_err:.1e} {'ok' if ok else 'WRONG'} "
+                  f"{list(info.values())}", flush=True)
             if ok and (best is None or t_fwd + t_loss < best[0]):
                 best = (t_fwd + t_loss, cfg)
         kdiv.set_config()
@@ -177,7 +184,8 @@ def main() -> None:
 
     cfg = dict(kdiv._CONFIG)
     versions += (f";config=split{cfg['split']}_spin{cfg['spin']}_block{cfg['block']}_w{cfg['num_warps']}"
-                 f"_tiles{cfg['chunk_tiles']}_pps{cfg['chunk_programs_per_sm']}")
+                 f"_tiles{cfg['chunk_tiles']}_pps{cfg['chunk_programs_per_sm']}_rchunk{cfg['resident_chunk']}"
+                 f"_rw{cfg['resident_warps']}_reuse{cfg['resident_reuse']}")
 
     def with_config(overrides, fn, *fn_args):
         """Run fn(*fn_args) under other launch settings (the first version's kernel: ``split=0``), then restore."""
