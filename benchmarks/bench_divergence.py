@@ -139,10 +139,14 @@ def main() -> None:
         grad = torch.empty_like(dra)
         floor_fwd = 2 * ver.numel() * 2
         configs = [dict(split=0), dict(split=1, spin=1, block=2048, num_warps=4, chunk_tiles=8)]
-        configs += [dict(split=2, spin=1, resident_chunk=c, resident_warps=w, resident_reuse=reuse)
-                    for c, w in ((4096, 4), (4096, 8), (8192, 4), (8192, 8), (8192, 16), (16384, 8), (16384, 16))
-                    for reuse in (1, 0)]
-        configs += [dict(split=2, spin=0, resident_chunk=8192, resident_warps=8)]
+        configs += [dict(split=2, spin=1, resident_chunk=c, resident_warps=w, resident_carry=carry, resident_pipe=pipe,
+                         resident_reuse=reuse)
+                    for c, w, carry, pipe, reuse in (
+                        (2048, 4, 0, 0, 0), (2048, 4, 0, 1, 0), (4096, 4, 0, 0, 0), (4096, 4, 0, 1, 0),
+                        (8192, 8, 0, 0, 0), (8192, 8, 0, 1, 0), (16384, 16, 0, 0, 0), (16384, 16, 0, 1, 0),
+                        (2048, 4, 1, 1, 1), (4096, 4, 1, 1, 0), (4096, 8, 1, 1, 1), (4096, 8, 1, 0, 0),
+                        (8192, 16, 1, 1, 1), (8192, 8, 1, 1, 0))]
+        configs += [dict(split=2, spin=0, resident_chunk=4096, resident_warps=4, resident_carry=0)]
         best = None
         reference = None
         for cfg in configs:
@@ -164,10 +168,11 @@ def main() -> None:
                 reference = (vals, grad.clone())
             err = float((vals - reference[0]).abs().max())
             grad_err = float((grad.float() - reference[1].float()).abs().max())
-            ok = bool(torch.isfinite(vals).all()) and err < 1e-4 and grad_err < 1e-6
+            ok = bool(torch.isfinite(vals).all()) and err < 1e-4 and grad_err < 1e-4
             info = {k: v for k, v in kdiv.KERNEL_INFO.items()
                     if k[0] == "resident" and k[5] == cfg.get("resident_chunk") and k[2] == cfg.get("resident_warps")
-                    and k[6] == bool(cfg.get("resident_reuse"))}
+                    and k[6] == bool(cfg.get("resident_reuse")) and k[9] == bool(cfg.get("resident_carry"))
+                    and k[10] == bool(cfg.get("resident_pipe"))}
             print(f"sweep {cfg}: fwd {t_fwd:.3f} ms ({100 * floor_fwd / (t_fwd * 1e-3) / 1e9 / copy_gbps:.0f}% copy) "
                   f"loss-kernel {t_loss:.3f} ms ({100 * 1.5 * floor_fwd / (t_loss * 1e-3) / 1e9 / copy_gbps:.0f}% "
                   f"copy)  max|diff| vs first {err:.2e} grad {grad_err:.1e} {'ok' if ok else 'WRONG'} "

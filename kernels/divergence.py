@@ -384,7 +384,8 @@ _DEFAULT_CONFIG: dict[str, int] = {"block": 2048, "num_warps": 4, "programs_per_
                                    "split": 0, "chunk_tiles": 8, "spin": 1, "chunk_programs_per_sm": 0,
                                    "interpret_chunk_tiles": 2,
                                    "resident_chunk": 8192, "resident_warps": 8, "resident_reuse": 1,
-                                   "resident_programs_per_sm": 0, "interpret_resident_chunk": 32, "spin_in_place": 0}
+                                   "resident_programs_per_sm": 0, "interpret_resident_chunk": 32, "spin_in_place": 0,
+                                   "resident_carry": 1, "resident_pipe": 1}
 _CONFIG: dict[str, int] = dict(_DEFAULT_CONFIG)
 MAX_SPIN = 1 << 20  # polls of a row counter (about a microsecond each) before a program gives up and poisons the row
 
@@ -404,7 +405,9 @@ def set_config(**overrides: int | None) -> dict[str, int]:
     ``split=2`` is version 3 (:mod:`specdec.kernels.divergence_resident`): chunks of at most ``resident_chunk``
     columns (a power of two; ``interpret_resident_chunk`` under the interpreter) held in registers by programs of
     ``resident_warps`` warps; ``resident_reuse`` keeps the pass-1 exponentials for pass 2 (1) or recomputes them (0);
-    ``resident_programs_per_sm`` caps co-resident programs per multiprocessor (0 = as many as fit); ``spin`` as for
+    ``resident_carry`` (1: pass 2 from the registers; 0: the chunk is read again, from L2), ``resident_pipe`` (1: the
+    next row's chunk is loaded before this row's wait); ``resident_programs_per_sm`` caps co-resident programs per
+    multiprocessor (0 = as many as fit); ``spin`` as for
     ``split=1`` (and ``spin=2``: the one-launch path even where it cannot wait, e.g. in the interpreter, with waits
     that give up after 2 polls, so the fallback that streams the row runs: for tests); an in-place gradient uses two
     launches unless ``spin_in_place`` (the give-up fallback re-reads the row, which an in-place gradient may already
@@ -593,7 +596,7 @@ def _launch_resident(common, flags, n_rows, vocab, temperature, grad_scale, devi
     forced = _CONFIG["spin"] == 2 and not in_place  # tests: one launch even where peers cannot all be running
     reuse = bool(_CONFIG["resident_reuse"])
     key = ("resident", device.index, num_warps, compute_tv, write_grad, chunk, reuse, flags["HAS_MASK"],
-           flags["HAS_WEIGHTS"])
+           flags["HAS_WEIGHTS"], bool(_CONFIG["resident_carry"]), bool(_CONFIG["resident_pipe"]))
     groups = n_rows
     if spin:
         per_sm = _resident_per_sm(key, num_warps)
@@ -607,8 +610,10 @@ def _launch_resident(common, flags, n_rows, vocab, temperature, grad_scale, devi
     groups = max(groups, 1)
     args = (v, d, stride_v, stride_d, mask_arg, weight_arg, ce_arg, kl_arg, status, part, grad_arg, stride_g,
             stats, abort, n_rows, vocab, groups, n_chunks, chunk_cols, LOG2E / temperature, grad_scale / temperature)
+    carry, pipe = bool(_CONFIG["resident_carry"]), bool(_CONFIG["resident_pipe"])
     meta = dict(HAS_MASK=flags["HAS_MASK"], HAS_WEIGHTS=flags["HAS_WEIGHTS"], COMPUTE_TV=compute_tv,
-                WRITE_GRAD=write_grad, REUSE=reuse, CHUNK=chunk, G_POW2=g_pow2,
+                WRITE_GRAD=write_grad, REUSE=reuse, CARRY=carry, PIPE=pipe, CHUNK=chunk,
+                REC=max(g_pow2 * 8, 32 * num_warps),
                 SLOW_BLOCK=min(2048, triton.next_power_of_2(vocab)), num_warps=num_warps, num_stages=1)
     grid = (groups * n_chunks,)
     if forced:

@@ -57,13 +57,31 @@ def _keep_row(mask_ptr, row, n_rows, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
+def _max2(a0, b0, a1, b1):
+    return tl.maximum(a0, a1), tl.maximum(b0, b1)
+
+
+@triton.jit
+def _add2(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _add5(a0, b0, c0, d0, e0, a1, b1, c1, d1, e1):
+    return a0 + a1, b0 + b1, c0 + c1, d0 + d1, e0 + e1
+
+
+@triton.jit
 def _chunk_pass1(x_raw, y_raw, scale2, REUSE: tl.constexpr):
-    """Statistics of one chunk (one block; -inf outside it). Returns the 7 published numbers and the carried pair."""
+    """Statistics of one chunk (one block; -inf outside it). Returns the 7 published numbers and the carried pair.
+
+    The seven block-wide reductions are two multi-operand reductions: each costs a shared-memory round trip and a
+    barrier, which is what a program's chain of latencies is made of.
+    """
     NEG_INF: tl.constexpr = float("-inf")
     x = x_raw.to(tl.float32) * scale2
     y = y_raw.to(tl.float32) * scale2
-    mx = tl.max(x, 0)
-    my = tl.max(y, 0)
+    mx, my = tl.reduce((x, y), 0, _max2)
     mx_ref = tl.where(mx == NEG_INF, 0.0, mx)
     my_ref = tl.where(my == NEG_INF, 0.0, my)
     dx = x - mx_ref
@@ -71,11 +89,8 @@ def _chunk_pass1(x_raw, y_raw, scale2, REUSE: tl.constexpr):
     wy = tl.exp2(y - my_ref)
     fx = x > NEG_INF
     fy = y > NEG_INF
-    r = tl.sum(tl.where(fx, wx * dx, 0.0), 0)
-    e = tl.sum(tl.where(fx & fy, wx * (x - y), 0.0), 0)
-    n_bad = tl.sum((fx & (y == NEG_INF)).to(tl.int32), 0).to(tl.float32)
-    sx = tl.sum(wx, 0)
-    sy = tl.sum(wy, 0)
+    sx, sy, r, e, n_bad = tl.reduce((wx, wy, tl.where(fx, wx * dx, 0.0), tl.where(fx & fy, wx * (x - y), 0.0),
+                                     (fx & (y == NEG_INF)).to(tl.float32)), 0, _add5)
     if REUSE:
         return mx, sx, my, sy, r, e, n_bad, wx, wy, mx_ref, my_ref
     else:
@@ -134,43 +149,49 @@ def _row_stats_streamed(v_row, d_row, vocab, scale2, BLOCK: tl.constexpr):
 
 @triton.jit
 def _row_stats(stats_ptr, abort_ptr, v_row, d_row, row, n_chunks, vocab, scale2, max_spin,
-               G_POW2: tl.constexpr, SLOW_BLOCK: tl.constexpr):
-    """Wait for the row's chunk records and combine them (or stream the row if the wait gives up)."""
+               REC: tl.constexpr, SLOW_BLOCK: tl.constexpr):
+    """Wait for the row's chunk records and combine them (or stream the row if the wait gives up).
+
+    The records are loaded as one 1-D block of ``REC >= 32 * num_warps`` words, so that no word is held twice: a
+    reduction over a replicated layout reads one copy only, and a copy that was not checked could hold a stale
+    word. The combine works on the same registers (reshaped), i.e. on words that were all checked.
+    """
     NEG_INF: tl.constexpr = float("-inf")
     tag = row + 1
-    goffs = tl.arange(0, G_POW2)
-    woffs = tl.arange(0, 8)
-    live = (goffs[:, None] < n_chunks) & (woffs[None, :] < 7)
-    ptrs = stats_ptr + (tl.cast(row, tl.int64) * n_chunks + goffs[:, None]) * 8 + woffs[None, :]
+    idx = tl.arange(0, REC)
+    live = (idx < n_chunks * 8) & ((idx % 8) < 7)
+    ptrs = stats_ptr + tl.cast(row, tl.int64) * n_chunks * 8 + idx
+    # one reduction counts the missing words and reads the abort flag (lane 0 only): every thread sees the same
+    # two numbers, so the threads of the program never take different branches
     words = tl.load(ptrs, mask=live, other=0, volatile=True)
-    missing = tl.sum(tl.where(live & (words.to(tl.int32) != tag), 1, 0))
+    both = tl.sum(tl.where(live & (words.to(tl.int32) != tag), 1, 0))
+    missing = both
     aborted = 0
     if missing > 0:
-        aborted = tl.load(abort_ptr, volatile=True)
         spins = 0
         while (missing > 0) & (spins < max_spin) & (aborted == 0):
             words = tl.load(ptrs, mask=live, other=0, volatile=True)
-            missing = tl.sum(tl.where(live & (words.to(tl.int32) != tag), 1, 0))
-            aborted = tl.load(abort_ptr, volatile=True)
+            flag = tl.load(abort_ptr + idx * 0, mask=idx == 0, other=0, volatile=True)
+            both = tl.sum(tl.where(live & (words.to(tl.int32) != tag), 1, 0) + flag * REC)
+            missing = both % REC
+            aborted = both // REC
             spins += 1
         if missing > 0:
             tl.atomic_xchg(abort_ptr, 1, sem="relaxed")
     if missing > 0:
         mx, sx, my, sy, r, e, n_bad = _row_stats_streamed(v_row, d_row, vocab, scale2, SLOW_BLOCK)
     else:
-        vals = _unpack(words)
-        mx_c = tl.sum(tl.where(woffs[None, :] == 0, vals, 0.0), 1)
-        sx_c = tl.sum(tl.where(woffs[None, :] == 1, vals, 0.0), 1)
-        my_c = tl.sum(tl.where(woffs[None, :] == 2, vals, 0.0), 1)
-        sy_c = tl.sum(tl.where(woffs[None, :] == 3, vals, 0.0), 1)
-        r_c = tl.sum(tl.where(woffs[None, :] == 4, vals, 0.0), 1)
-        e_c = tl.sum(tl.where(woffs[None, :] == 5, vals, 0.0), 1)
-        nb_c = tl.sum(tl.where(woffs[None, :] == 6, vals, 0.0), 1)
-        gmask = goffs < n_chunks
-        mx_c = tl.where(gmask, mx_c, NEG_INF)
-        my_c = tl.where(gmask, my_c, NEG_INF)
-        mx = tl.max(mx_c, 0)
-        my = tl.max(my_c, 0)
+        vals = tl.reshape(_unpack(words), (REC // 8, 8))
+        word = tl.arange(0, 8)[None, :]
+        chunk_live = tl.arange(0, REC // 8) < n_chunks
+        mx_c = tl.where(chunk_live, tl.sum(tl.where(word == 0, vals, 0.0), 1), NEG_INF)
+        sx_c = tl.sum(tl.where(word == 1, vals, 0.0), 1)
+        my_c = tl.where(chunk_live, tl.sum(tl.where(word == 2, vals, 0.0), 1), NEG_INF)
+        sy_c = tl.sum(tl.where(word == 3, vals, 0.0), 1)
+        r_c = tl.sum(tl.where(word == 4, vals, 0.0), 1)
+        e_c = tl.sum(tl.where(word == 5, vals, 0.0), 1)
+        nb_c = tl.sum(tl.where(word == 6, vals, 0.0), 1)
+        mx, my = tl.reduce((mx_c, my_c), 0, _max2)
         mx = tl.where(mx == NEG_INF, 0.0, mx)
         my = tl.where(my == NEG_INF, 0.0, my)
         # chunks with nothing (sum 0: all -inf, or padding) drop out; NaN sums (NaN / +inf logits) propagate
@@ -178,11 +199,9 @@ def _row_stats(stats_ptr, abort_ptr, v_row, d_row, row, n_chunks, vocab, scale2,
         live_y = sy_c != 0.0
         f_x = tl.where(live_x, tl.exp2(mx_c - mx), 0.0)
         f_y = tl.where(live_y, tl.exp2(my_c - my), 0.0)
-        sx = tl.sum(tl.where(live_x, f_x * sx_c, 0.0), 0)
-        sy = tl.sum(tl.where(live_y, f_y * sy_c, 0.0), 0)
-        r = tl.sum(tl.where(live_x, f_x * (r_c + (mx_c - mx) * sx_c), 0.0), 0)
-        e = tl.sum(tl.where(live_x, f_x * e_c, 0.0), 0)
-        n_bad = tl.sum(nb_c, 0)
+        sx, sy, r, e, n_bad = tl.reduce((tl.where(live_x, f_x * sx_c, 0.0), tl.where(live_y, f_y * sy_c, 0.0),
+                                         tl.where(live_x, f_x * (r_c + (mx_c - mx) * sx_c), 0.0),
+                                         tl.where(live_x, f_x * e_c, 0.0), nb_c), 0, _add5)
     return mx, sx, my, sy, r, e, n_bad
 
 
@@ -192,19 +211,24 @@ def _row_pass2(
     weight_ptr, ce_ptr, kl_ptr, status_ptr, part_ptr, grad_ptr, stride_g, stats_ptr, abort_ptr,
     n_chunks, vocab, scale2, grad_scale, max_spin,
     HAS_WEIGHTS: tl.constexpr, COMPUTE_TV: tl.constexpr, WRITE_GRAD: tl.constexpr, REUSE: tl.constexpr,
-    G_POW2: tl.constexpr, SLOW_BLOCK: tl.constexpr,
+    CARRY: tl.constexpr, REC: tl.constexpr, SLOW_BLOCK: tl.constexpr,
 ):
     """Combine the row's statistics, then TV/alpha partials or the gradient of this chunk from registers."""
     LN2_: tl.constexpr = 0.6931471805599453
     row64 = tl.cast(row, tl.int64)
     if keep:
         mx, sx, my, sy, r, e, n_bad = _row_stats(stats_ptr, abort_ptr, v_row, d_row, row, n_chunks, vocab, scale2,
-                                                 max_spin, G_POW2, SLOW_BLOCK)
+                                                 max_spin, REC, SLOW_BLOCK)
         log2_sx = tl.log2(sx)
         log2_sy = tl.log2(sy)
         lp = mx + log2_sx
         lq = my + log2_sy
-        if REUSE:
+        if not CARRY:  # the chunk is read again (from L2: this program read it a few microseconds ago)
+            p = tl.exp2(tl.load(v_row + cols, mask=own, other=float("-inf"), eviction_policy="evict_first")
+                        .to(tl.float32) * scale2 - lp)
+            q = tl.exp2(tl.load(d_row + cols, mask=own, other=float("-inf"), eviction_policy="evict_first")
+                        .to(tl.float32) * scale2 - lq)
+        elif REUSE:
             p = a * tl.exp2(mx_own - lp)
             q = b * tl.exp2(my_own - lq)
         else:
@@ -219,9 +243,10 @@ def _row_pass2(
             if COMPUTE_TV:
                 tl.store(kl_ptr + row64, kl)
         if COMPUTE_TV:
+            abs_sum, min_sum = tl.reduce((tl.abs(p - q), tl.minimum(p, q)), 0, _add2)
             pt = part_ptr + (row64 * n_chunks + chunk) * 2
-            tl.store(pt + 0, tl.sum(tl.abs(p - q), 0))
-            tl.store(pt + 1, tl.sum(tl.minimum(p, q), 0))
+            tl.store(pt + 0, abs_sum)
+            tl.store(pt + 1, min_sum)
         if WRITE_GRAD:
             w = grad_scale
             if HAS_WEIGHTS:
@@ -249,7 +274,8 @@ def _divergence_resident_kernel(
     ce_ptr, kl_ptr, status_ptr, part_ptr, grad_ptr, stride_g, stats_ptr, abort_ptr,
     n_rows, vocab, n_groups, n_chunks, chunk_cols, scale2, grad_scale, max_spin,
     HAS_MASK: tl.constexpr, HAS_WEIGHTS: tl.constexpr, COMPUTE_TV: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    PHASE: tl.constexpr, REUSE: tl.constexpr, CHUNK: tl.constexpr, G_POW2: tl.constexpr, SLOW_BLOCK: tl.constexpr,
+    PHASE: tl.constexpr, REUSE: tl.constexpr, CARRY: tl.constexpr, PIPE: tl.constexpr, CHUNK: tl.constexpr,
+    REC: tl.constexpr, SLOW_BLOCK: tl.constexpr,
 ):
     """One program per (row group, chunk); rows ``group, group + n_groups, ...``. See the module docstring."""
     NEG_INF: tl.constexpr = float("-inf")
@@ -260,7 +286,7 @@ def _divergence_resident_kernel(
     c_end = tl.minimum(c_start + chunk_cols, vocab)
     cols = c_start + tl.arange(0, CHUNK)
     own = cols < c_end
-    if PHASE == 0:
+    if (PHASE == 0) and PIPE:
         # prologue: the first row's chunk, its statistics published
         first = group
         keep_first = _keep_row(mask_ptr, first, n_rows, HAS_MASK)
@@ -285,7 +311,7 @@ def _divergence_resident_kernel(
                        a, b, mx_own, my_own, keep,
                        weight_ptr, ce_ptr, kl_ptr, status_ptr, part_ptr, grad_ptr, stride_g, stats_ptr, abort_ptr,
                        n_chunks, vocab, scale2, grad_scale, max_spin,
-                       HAS_WEIGHTS, COMPUTE_TV, WRITE_GRAD, REUSE, G_POW2, SLOW_BLOCK)
+                       HAS_WEIGHTS, COMPUTE_TV, WRITE_GRAD, REUSE, CARRY, REC, SLOW_BLOCK)
             mx, sx, my, sy, r, e, n_bad, a, b, mx_own, my_own = _chunk_pass1(x_next, y_next, scale2, REUSE)
             if keep_next:
                 _publish(stats_ptr, nxt, chunk, n_chunks, mx, sx, my, sy, r, e, n_bad)
@@ -297,15 +323,15 @@ def _divergence_resident_kernel(
             x_raw = tl.load(v_ptr + row64 * stride_v + cols, mask=cols < lim, other=NEG_INF)
             y_raw = tl.load(d_ptr + row64 * stride_d + cols, mask=cols < lim, other=NEG_INF)
             mx, sx, my, sy, r, e, n_bad, a, b, mx_own, my_own = _chunk_pass1(x_raw, y_raw, scale2, REUSE)
-            if PHASE == 1:
+            if PHASE != 2:
                 if keep:
                     _publish(stats_ptr, row, chunk, n_chunks, mx, sx, my, sy, r, e, n_bad)
-            else:
+            if PHASE != 1:
                 _row_pass2(v_ptr + row64 * stride_v, d_ptr + row64 * stride_d, row, chunk, c_start, cols, own,
                            a, b, mx_own, my_own, keep,
                            weight_ptr, ce_ptr, kl_ptr, status_ptr, part_ptr, grad_ptr, stride_g, stats_ptr,
                            abort_ptr, n_chunks, vocab, scale2, grad_scale, max_spin,
-                           HAS_WEIGHTS, COMPUTE_TV, WRITE_GRAD, REUSE, G_POW2, SLOW_BLOCK)
+                           HAS_WEIGHTS, COMPUTE_TV, WRITE_GRAD, REUSE, CARRY, REC, SLOW_BLOCK)
 
 
 @triton.jit

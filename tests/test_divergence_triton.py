@@ -187,7 +187,9 @@ CHUNK_MODES = {
     "v2": {"split": 1},  # chunks re-read from L2 after the row's sync
     "v3": {"split": 2},  # register-resident chunks, exponentials kept for pass 2
     "v3-recompute": {"split": 2, "resident_reuse": 0},
+    "v3-reread": {"split": 2, "resident_carry": 0},  # pass 2 reads the chunk again
     "v3-fallback": {"split": 2, "spin": 2},  # one launch whose waits give up: every row streamed by the fallback
+    "v3-fallback-unpipelined": {"split": 2, "spin": 2, "resident_pipe": 0, "resident_carry": 0},
 }
 
 
@@ -347,7 +349,10 @@ def test_large_vocabulary_persistent_grid_and_loss() -> None:
                                       dict(split=2, resident_chunk=4096, resident_warps=4),
                                       dict(split=2, resident_chunk=8192, resident_warps=8),
                                       dict(split=2, resident_chunk=16384, resident_warps=16),
-                                      dict(split=2, resident_chunk=8192, resident_warps=8, resident_reuse=0)],
+                                      dict(split=2, resident_chunk=8192, resident_warps=8, resident_reuse=0),
+                                      dict(split=2, resident_chunk=4096, resident_warps=4, resident_carry=0),
+                                      dict(split=2, resident_chunk=4096, resident_warps=4, resident_carry=0,
+                                           resident_pipe=0)],
                          ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
 def test_large_vocabulary_spin_matches_two_launches(settings: dict) -> None:
     """The one-launch path (programs wait for the row's other chunks) against the two-launch path and float64."""
