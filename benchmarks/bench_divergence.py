@@ -138,15 +138,11 @@ def main() -> None:
         dra = (torch.randn(n, v, device="cuda", generator=g) * 2).to(dtype)
         grad = torch.empty_like(dra)
         floor_fwd = 2 * ver.numel() * 2
-        configs = [dict(split=0), dict(split=1, spin=1, block=2048, num_warps=4, chunk_tiles=8)]
-        configs += [dict(split=2, spin=1, resident_chunk=c, resident_warps=w, resident_carry=carry, resident_pipe=pipe,
-                         resident_reuse=reuse)
-                    for c, w, carry, pipe, reuse in (
-                        (2048, 4, 0, 0, 0), (2048, 4, 0, 1, 0), (4096, 4, 0, 0, 0), (4096, 4, 0, 1, 0),
-                        (8192, 8, 0, 0, 0), (8192, 8, 0, 1, 0), (16384, 16, 0, 0, 0), (16384, 16, 0, 1, 0),
-                        (2048, 4, 1, 1, 1), (4096, 4, 1, 1, 0), (4096, 8, 1, 1, 1), (4096, 8, 1, 0, 0),
-                        (8192, 16, 1, 1, 1), (8192, 8, 1, 1, 0))]
-        configs += [dict(split=2, spin=0, resident_chunk=4096, resident_warps=4, resident_carry=0)]
+        configs = [dict(split=0)]
+        configs += [dict(split=1, spin=1, block=b, num_warps=w, chunk_tiles=t, chunk_programs_per_sm=pps)
+                    for b, w in ((2048, 4), (4096, 8), (1024, 4)) for t in (2, 4, 8) for pps in (0, 2)
+                    if b * t <= 16384]
+        configs += [dict(split=1, spin=0, chunk_tiles=4)]
         best = None
         reference = None
         for cfg in configs:
@@ -163,20 +159,12 @@ def main() -> None:
                 print("config failed", cfg, repr(exc)[:300], flush=True)
                 continue
             vals = torch.stack([out.cross_entropy, out.kl, out.tv, out.alpha])
-            loss()
             if reference is None:
-                reference = (vals, grad.clone())
-            err = float((vals - reference[0]).abs().max())
-            grad_err = float((grad.float() - reference[1].float()).abs().max())
-            ok = bool(torch.isfinite(vals).all()) and err < 1e-4 and grad_err < 1e-4
-            info = {k: v for k, v in kdiv.KERNEL_INFO.items()
-                    if k[0] == "resident" and k[5] == cfg.get("resident_chunk") and k[2] == cfg.get("resident_warps")
-                    and k[6] == bool(cfg.get("resident_reuse")) and k[9] == bool(cfg.get("resident_carry"))
-                    and k[10] == bool(cfg.get("resident_pipe"))}
+                reference = vals
+            err = float((vals - reference).abs().max())
+            ok = bool(torch.isfinite(vals).all()) and err < 1e-4
             print(f"sweep {cfg}: fwd {t_fwd:.3f} ms ({100 * floor_fwd / (t_fwd * 1e-3) / 1e9 / copy_gbps:.0f}% copy) "
-                  f"loss-kernel {t_loss:.3f} ms ({100 * 1.5 * floor_fwd / (t_loss * 1e-3) / 1e9 / copy_gbps:.0f}% "
-                  f"copy)  max|diff| vs first {err:.2e} grad {grad_err:.1e} {'ok' if ok else 'WRONG'} "
-                  f"{list(info.values())}", flush=True)
+                  f"loss-kernel {t_loss:.3f} ms  max|diff| vs first {err:.2e} {'ok' if ok else 'WRONG'}", flush=True)
             if ok and (best is None or t_fwd + t_loss < best[0]):
                 best = (t_fwd + t_loss, cfg)
         kdiv.set_config()
@@ -189,8 +177,7 @@ def main() -> None:
 
     cfg = dict(kdiv._CONFIG)
     versions += (f";config=split{cfg['split']}_spin{cfg['spin']}_block{cfg['block']}_w{cfg['num_warps']}"
-                 f"_tiles{cfg['chunk_tiles']}_pps{cfg['chunk_programs_per_sm']}_rchunk{cfg['resident_chunk']}"
-                 f"_rw{cfg['resident_warps']}_reuse{cfg['resident_reuse']}")
+                 f"_tiles{cfg['chunk_tiles']}_pps{cfg['chunk_programs_per_sm']}")
 
     def with_config(overrides, fn, *fn_args):
         """Run fn(*fn_args) under other launch settings (the first version's kernel: ``split=0``), then restore."""

@@ -27,8 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .divergence_resident import _divergence_resident_kernel, _tv_finalize_kernel, resident_layout
-
 LOG2E = 1.4426950408889634
 
 
@@ -382,10 +380,7 @@ def _divergence_chunked_kernel(
 _DEFAULT_CONFIG: dict[str, int] = {"block": 2048, "num_warps": 4, "programs_per_sm": 0, "programs": 0,
                                    "evict_last": 0, "interpret_block": 256,
                                    "split": 0, "chunk_tiles": 8, "spin": 1, "chunk_programs_per_sm": 0,
-                                   "interpret_chunk_tiles": 2,
-                                   "resident_chunk": 8192, "resident_warps": 8, "resident_reuse": 1,
-                                   "resident_programs_per_sm": 0, "interpret_resident_chunk": 32, "spin_in_place": 0,
-                                   "resident_carry": 1, "resident_pipe": 1}
+                                   "interpret_chunk_tiles": 2}
 _CONFIG: dict[str, int] = dict(_DEFAULT_CONFIG)
 MAX_SPIN = 1 << 20  # polls of a row counter (about a microsecond each) before a program gives up and poisons the row
 
@@ -402,16 +397,6 @@ def set_config(**overrides: int | None) -> dict[str, int]:
     fit), ``programs`` (a fixed number of rows in flight: programs for ``split=0``, row groups for ``split=1``;
     0 = off), ``programs_per_sm`` (``split=0`` only: grid of that many programs per multiprocessor), ``evict_last``
     (``split=0`` only: pass-1 loads ask L2 to keep the row).
-    ``split=2`` is version 3 (:mod:`specdec.kernels.divergence_resident`): chunks of at most ``resident_chunk``
-    columns (a power of two; ``interpret_resident_chunk`` under the interpreter) held in registers by programs of
-    ``resident_warps`` warps; ``resident_reuse`` keeps the pass-1 exponentials for pass 2 (1) or recomputes them (0);
-    ``resident_carry`` (1: pass 2 from the registers; 0: the chunk is read again, from L2), ``resident_pipe`` (1: the
-    next row's chunk is loaded before this row's wait); ``resident_programs_per_sm`` caps co-resident programs per
-    multiprocessor (0 = as many as fit); ``spin`` as for
-    ``split=1`` (and ``spin=2``: the one-launch path even where it cannot wait, e.g. in the interpreter, with waits
-    that give up after 2 polls, so the fallback that streams the row runs: for tests); an in-place gradient uses two
-    launches unless ``spin_in_place`` (the give-up fallback re-reads the row, which an in-place gradient may already
-    have overwritten).
     """
     previous = dict(_CONFIG)
     if not overrides:
@@ -454,7 +439,6 @@ def chunk_layout(vocab: int, block: int, chunk_tiles: int) -> tuple[int, int]:
 # (device index, num_warps, COMPUTE_TV, WRITE_GRAD, BLOCK) -> co-resident programs per multiprocessor, read off the
 # compiled kernel after its first launch (registers, shared memory); before that a bound that holds for any kernel.
 _RESIDENT: dict[tuple, int] = {}
-KERNEL_INFO: dict[tuple, dict[str, int]] = {}  # the same keys: registers, spills, shared memory (benchmark logs)
 
 
 def _resident_per_sm(key: tuple, num_warps: int) -> int:
@@ -481,8 +465,6 @@ def _record_residency(key: tuple, kernel, num_warps: int, device: torch.device) 
     by_threads = threads_sm // (32 * num_warps)
     by_smem = smem_sm // (shared + 1024)
     _RESIDENT[key] = max(1, min(by_regs, by_threads, by_smem, 32))
-    KERNEL_INFO[key] = dict(n_regs=n_regs, n_spills=int(getattr(kernel, "n_spills", -1)), shared=shared,
-                            per_sm=_RESIDENT[key])
 
 
 def _row_major(t: torch.Tensor) -> torch.Tensor:
@@ -537,11 +519,7 @@ def launch_divergence(
                  COMPUTE_TV=compute_tv, WRITE_GRAD=write_grad)
     chunk_tiles = _CONFIG["interpret_chunk_tiles"] if _interpreting() else _CONFIG["chunk_tiles"]
     n_chunks, chunk_cols = chunk_layout(vocab, block, chunk_tiles)
-    if _CONFIG["split"] == 2:
-        _launch_resident(common, flags, n_rows, vocab, temperature, grad_scale, device, num_tasks, has_tasks,
-                         mask, task_ids, ce, kl, tv, alpha, sums if has_tasks else None, count if has_tasks else None,
-                         grad_out, drafter_logits)
-    elif not _CONFIG["split"]:
+    if not _CONFIG["split"]:
         _divergence_kernel[(programs,)](
             *common, n_rows, vocab, programs, LOG2E / temperature, grad_scale / temperature,
             **flags, BLOCK=block, EVICT_LAST=bool(_CONFIG["evict_last"]), num_warps=num_warps,
@@ -574,64 +552,6 @@ def launch_divergence(
             _divergence_chunked_kernel[grid](*common, *tail, PHASE=2, **meta)
     per_task = (*sums, count) if has_tasks else None
     return ce, kl, tv, alpha, status, per_task
-
-
-def _launch_resident(common, flags, n_rows, vocab, temperature, grad_scale, device, num_tasks, has_tasks, mask,
-                     task_ids, ce, kl, tv, alpha, sums, count, grad_out, drafter_logits) -> None:
-    """Version 3 (``split=2``): register-resident chunks, one launch with waits, then the TV/alpha finalisation."""
-    (v, d, stride_v, stride_d, mask_arg, _task_arg, weight_arg, ce_arg, kl_arg, _tv_arg, _alpha_arg, status,
-     grad_arg, stride_g, *_sums) = common
-    compute_tv, write_grad = flags["COMPUTE_TV"], flags["WRITE_GRAD"]
-    chunk = _CONFIG["interpret_resident_chunk"] if _interpreting() else _CONFIG["resident_chunk"]
-    chunk = max(16, min(triton.next_power_of_2(chunk), triton.next_power_of_2(vocab)))
-    num_warps = max(1, min(_CONFIG["resident_warps"], chunk // 128))
-    n_chunks, chunk_cols = resident_layout(vocab, chunk)
-    g_pow2 = triton.next_power_of_2(n_chunks)
-    stats = torch.zeros(n_rows * n_chunks * 8, dtype=torch.int64, device=device)  # tags of 0: nothing published
-    part = torch.empty(n_rows * n_chunks * 2, dtype=torch.float32, device=device) if compute_tv else ce
-    abort = torch.zeros(1, dtype=torch.int32, device=device)
-    in_place = write_grad and grad_out.data_ptr() == drafter_logits.data_ptr()
-    spin = (bool(_CONFIG["spin"]) and device.type == "cuda" and not _interpreting()
-            and (not in_place or bool(_CONFIG["spin_in_place"])))
-    forced = _CONFIG["spin"] == 2 and not in_place  # tests: one launch even where peers cannot all be running
-    reuse = bool(_CONFIG["resident_reuse"])
-    key = ("resident", device.index, num_warps, compute_tv, write_grad, chunk, reuse, flags["HAS_MASK"],
-           flags["HAS_WEIGHTS"], bool(_CONFIG["resident_carry"]), bool(_CONFIG["resident_pipe"]))
-    groups = n_rows
-    if spin:
-        per_sm = _resident_per_sm(key, num_warps)
-        if _CONFIG["resident_programs_per_sm"] > 0:
-            per_sm = min(per_sm, _CONFIG["resident_programs_per_sm"])
-        resident = torch.cuda.get_device_properties(device).multi_processor_count * per_sm
-        groups = min(n_rows, resident // n_chunks)
-        spin = groups >= 1
-    if _CONFIG["programs"] > 0:
-        groups = min(groups, _CONFIG["programs"])
-    groups = max(groups, 1)
-    args = (v, d, stride_v, stride_d, mask_arg, weight_arg, ce_arg, kl_arg, status, part, grad_arg, stride_g,
-            stats, abort, n_rows, vocab, groups, n_chunks, chunk_cols, LOG2E / temperature, grad_scale / temperature)
-    carry, pipe = bool(_CONFIG["resident_carry"]), bool(_CONFIG["resident_pipe"])
-    meta = dict(HAS_MASK=flags["HAS_MASK"], HAS_WEIGHTS=flags["HAS_WEIGHTS"], COMPUTE_TV=compute_tv,
-                WRITE_GRAD=write_grad, REUSE=reuse, CARRY=carry, PIPE=pipe, CHUNK=chunk,
-                REC=max(g_pow2 * 8, 32 * num_warps),
-                SLOW_BLOCK=min(2048, triton.next_power_of_2(vocab)), num_warps=num_warps, num_stages=1)
-    grid = (groups * n_chunks,)
-    if forced:
-        _divergence_resident_kernel[grid](*args, 2, PHASE=0, **meta)  # waits give up at once: the fallback runs
-    elif spin:
-        kernel = _divergence_resident_kernel[grid](*args, MAX_SPIN, PHASE=0, **meta)
-        if key not in _RESIDENT and kernel is not None:
-            _record_residency(key, kernel, num_warps, device)
-    else:
-        _divergence_resident_kernel[grid](*args, 0, PHASE=1, **meta)
-        _divergence_resident_kernel[grid](*args, 0, PHASE=2, **meta)
-    if compute_tv:
-        rows_per_program = 64
-        dummy = ce
-        _tv_finalize_kernel[(triton.cdiv(n_rows, rows_per_program),)](
-            part, mask if mask is not None else dummy, task_ids if has_tasks else dummy, ce, kl, tv, alpha,
-            *(sums if has_tasks else [dummy] * 4), count if has_tasks else dummy, n_rows, n_chunks,
-            HAS_MASK=mask is not None, HAS_TASKS=has_tasks, ROWS=rows_per_program, G_POW2=g_pow2, num_warps=4)
 
 
 def divergence_triton(
