@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, measure_copy_bandwidth, time_do_bench, time_graph  # noqa: E402
 
-from specdec.kernels.rejection_sampling import TUNE_DEFAULT, rejection_sample_triton  # noqa: E402
+from specdec.kernels.rejection_sampling import TUNE_DEFAULT, _stage_plan, rejection_sample_triton  # noqa: E402
 from specdec.kernels.rejection_sampling_reference import (  # noqa: E402
     TILE_INDEX_BASE,
     rejection_sample_reference,
@@ -65,12 +65,15 @@ def make_inputs(batch, num_drafts, vocab, dtype, seed):
     return dict(target=target.to(dtype), draft=draft.to(dtype), drafts=drafts, seeds=seeds, offsets=offsets)
 
 
-def bytes_read(strategy, num_accepted, num_drafts, vocab, esize):
-    """Bytes specdec reads on these inputs (sampled rows, all drafts real)."""
+def bytes_read(strategy, num_accepted, num_drafts, vocab, esize, stages=None):
+    """Bytes specdec reads on these inputs (sampled rows, all drafts real). ``stages``: the statistics launches
+    (``_stage_plan``); a row reads the positions of a later launch only if it reaches it (ignoring near-ties)."""
     acc = num_accepted.double()
     rejected = (acc < num_drafts).double()
     if strategy == "split":
-        rows = 2 * num_drafts + 1 + rejected  # stats: K target + K draft rows; race: stop row (+ its draft row)
+        plan = stages or [(0, num_drafts + 1)]
+        stat_rows = sum(2 * max(0, min(lo + count, num_drafts) - lo) * (acc >= lo).double() for lo, count in plan)
+        rows = stat_rows + 1 + rejected  # stats: target + draft rows of the positions read; race: stop row (+ draft)
     else:
         rows = torch.where(rejected > 0, 2 * (acc + 1) + 2, torch.full_like(acc, 2 * num_drafts + 1.0))
     return float(rows.sum()) * vocab * esize
@@ -120,14 +123,21 @@ SWEEP = {
     "stats_b2048": dict(stats_block=2048, stats_warps=8),
     "stats_b2048pf": dict(stats_block=2048, stats_warps=8, stats_prefetch=True),
     "pdl0": dict(pdl=0),
+    "stages_off": dict(stages=()),
+    "stages_2": dict(stages=(2,)),
+    "stages_3": dict(stages=(3,)),
+    "stages_2_5": dict(stages=(2, 5)),
+    "stages_1_3_6": dict(stages=(1, 3, 6)),
+    "stages_2_4_6": dict(stages=(2, 4, 6)),
 }
+SWEEP_STAGES = ("default", "stages_off", "stages_2", "stages_3", "stages_2_5", "stages_1_3_6", "stages_2_4_6")
 # Earlier sweeps (results/rejection_sweep_H200_v5..v9*.csv) also timed other settings; every row records its tune.
 SWEEP_SMALL = ("default", "stats_pf", "stats_nopf", "race_t4w4", "stats_prog8", "pdl0", "stats:default")
 SWEEP_LARGE = ("default", "stats_nopf", "stats_b2048", "stats_b2048pf", "race_t2w2", "race_t4w8", "race_t8w8",
                "race_prog8", "stats:default")
 
 
-def run_sweep(shapes, dtype_name, out_path, l2_bytes, copy_gbps, env, max_seconds, t_start):
+def run_sweep(shapes, dtype_name, out_path, l2_bytes, copy_gbps, env, max_seconds, t_start, names=None):
     """Time every SWEEP configuration of the "split" strategy at each V:B:K shape (same inputs, same process)."""
     dtype = DTYPES[dtype_name]
     esize = torch.tensor([], dtype=dtype).element_size()
@@ -145,7 +155,7 @@ def run_sweep(shapes, dtype_name, out_path, l2_bytes, copy_gbps, env, max_second
             s0 = sets[0]
             ref = rejection_sample_reference(s0["target"], s0["draft"], s0["drafts"], s0["seeds"], s0["offsets"],
                                              TEMPERATURE)
-            for name in (SWEEP_SMALL if batch <= 8 else SWEEP_LARGE):
+            for name in names or (SWEEP_SMALL if batch <= 8 else SWEEP_LARGE):
                 tune = SWEEP[name]
                 if time.time() > deadline:
                     print(f"# sweep time budget reached at {name}", flush=True)
@@ -163,7 +173,8 @@ def run_sweep(shapes, dtype_name, out_path, l2_bytes, copy_gbps, env, max_second
                     torch.cuda.synchronize()
                     med = p20 = p80 = float("nan")
                     note = f"{type(exc).__name__}: {str(exc)[:200]}"
-                read = bytes_read("split", ref[1], num_drafts, vocab, esize)
+                plan = _stage_plan(num_drafts + 1, batch, False, dict(TUNE_DEFAULT, **tune)["stages"])
+                read = bytes_read("split", ref[1], num_drafts, vocab, esize, plan)
                 if tune.get("stats_only"):
                     read = batch * (2 * num_drafts + 1) * vocab * esize
                 row = dict(config=name, B=batch, K=num_drafts, V=vocab, dtype=dtype_name, median_us=f"{med:.2f}",
@@ -207,6 +218,7 @@ def main() -> None:
     parser.add_argument("--sweep", default="", help="V:B:K triples for the launch-plan sweep (first dtype)")
     parser.add_argument("--sweep-seconds", type=float, default=1e9, help="stop the sweep after this")
     parser.add_argument("--sweep-only", action="store_true", help="run the sweep, not the provider grid")
+    parser.add_argument("--sweep-configs", default="", help="comma-separated SWEEP names (default: by batch size)")
     parser.add_argument("--providers", default="specdec,specdec_split,specdec_seq,torch_eager,torch_compile,"
                                                "flashinfer,flashinfer_kernel")
     args = parser.parse_args()
@@ -224,7 +236,7 @@ def main() -> None:
         sweep_shapes = [tuple(int(x) for x in item.split(":")) for item in args.sweep.split(",") if item]
         sweep_path = os.path.join(args.out, f"rejection_sweep_{gpu_tag}{args.tag}.csv")
         run_sweep(sweep_shapes, args.dtypes.split(",")[0], sweep_path, l2_bytes, copy_gbps, env,
-                  args.sweep_seconds, t_start)
+                  args.sweep_seconds, t_start, [n for n in args.sweep_configs.split(",") if n])
         if args.sweep_only:
             return
     fs, fi_note = setup_flashinfer() if any(p.startswith("flashinfer") for p in providers) else (None, "skipped")
@@ -328,7 +340,8 @@ def main() -> None:
                     if match == "False":
                         diagnose(s0, out, ref, num_drafts)
                     used = "split" if strategy == "auto" else strategy
-                    read = bytes_read(used, out[1], num_drafts, vocab, esize)
+                    plan = _stage_plan(num_drafts + 1, batch, False, TUNE_DEFAULT["stages"])
+                    read = bytes_read(used, out[1], num_drafts, vocab, esize, plan)
                 row.update(kernel="rejection_sample", provider=provider, B=batch, K=num_drafts,
                            V=vocab, dtype=dtype_name, median_us=f"{med:.2f}", p20_us=f"{p20:.2f}",
                            p80_us=f"{p80:.2f}", gbps=f"{logical / med / 1e3:.1f}",

@@ -204,12 +204,59 @@ def _in_tile_race(t_base, d_base, tile, residual, lt, delta, scale, rk_a, rk_b, 
 
 
 @triton.jit
+def _rejected_before(target_ptr, draft_ptr, draft_tokens_ptr, seeds_ptr, offsets_ptr, stats_ptr, argmax_ptr,
+                     b, n_b, g, scale, V, K, S, pos_lo, JP2: tl.constexpr, SP2: tl.constexpr):
+    """True when row ``b`` certainly stops before position ``pos_lo`` (staged statistics: its later positions
+    need no statistics). Every statistic of positions ``< pos_lo`` is complete (earlier launches).
+
+    The race kernel alone decides; this only skips work, so it must never skip a position that kernel could reach:
+    a sampled rejection counts only with a margin (``log u + log q > log p + margin``, or ``q(x) = 0``) larger than
+    the rounding by which the race kernel's own combine of the same statistics can differ (other reduction
+    layouts); a greedy rejection (``x != argmax``) is exact, and so is ``pos_lo > n_b``.
+    """
+    js = tl.arange(0, JP2)
+    ss = tl.arange(0, SP2)
+    jmask = js < pos_lo
+    real = jmask & (js < n_b)
+    pair = b.to(tl.int64) * (K + 1) + js
+    x = tl.load(draft_tokens_ptr + b.to(tl.int64) * K + js, mask=real, other=0)
+    xs = tl.minimum(tl.maximum(x, 0), V - 1)
+    t_x = tl.load(target_ptr + pair * V + xs, mask=real, other=0.0).to(tl.float32) * scale
+    d_x = tl.load(draft_ptr + (b.to(tl.int64) * K + tl.minimum(js, K - 1)) * V + xs,
+                  mask=real, other=0.0).to(tl.float32) * scale
+    key_a, key_b = stream_keys_tl(tl.load(seeds_ptr + b), tl.load(offsets_ptr + b) + js)
+    u = uniform_from_keys_tl(key_a, key_b, tl.full([JP2], 0xFFFFFFFF, tl.uint32))
+    st_off = (pair[:, None] * S + ss[None, :]) * 4
+    m2 = real[:, None] & (ss[None, :] < S)
+    lt, mt, _st = _combine_lse(tl.load(stats_ptr + st_off, mask=m2, other=float("-inf")),
+                               tl.load(stats_ptr + st_off + 1, mask=m2, other=0.0), 1)
+    ld, _md, _sd = _combine_lse(tl.load(stats_ptr + st_off + 2, mask=m2, other=float("-inf")),
+                                tl.load(stats_ptr + st_off + 3, mask=m2, other=0.0), 1)
+    mpart = tl.load(stats_ptr + st_off, mask=m2, other=float("-inf"))
+    first_split = tl.min(tl.where((mpart == mt[:, None]) & m2, ss[None, :], SP2), axis=1)
+    am = tl.load(argmax_ptr + pair * S + first_split, mask=real & (first_split < S), other=V)
+    lp = t_x - lt
+    lq = d_x - ld
+    margin = 1e-3 + 1e-5 * (tl.abs(t_x) + tl.abs(lt) + tl.abs(d_x) + tl.abs(ld))
+    rej_s = (d_x == float("-inf")) | (tl.log(u) + lq > lp + margin)  # NaN compares false: not certain
+    rej_g = x != am
+    certain = real & tl.where(g != 0, rej_g, rej_s)
+    return (tl.sum(certain.to(tl.int32), axis=0) > 0) | (pos_lo > n_b)
+
+
+@triton.jit
 def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy_ptr, stats_ptr, argmax_ptr,
-                  counter_ptr, inv_t, V, K, chunk, S,
+                  counter_ptr, seeds_ptr, offsets_ptr, inv_t, V, K, chunk, S, pos_lo, pos_count,
                   HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, ALL_GREEDY: tl.constexpr,
                   COMPUTE_SCORES: tl.constexpr, KP2: tl.constexpr, BLOCK: tl.constexpr,
-                  ZERO_COUNTERS: tl.constexpr, PDL_TRIGGER: tl.constexpr, PREFETCH: tl.constexpr):
+                  ZERO_COUNTERS: tl.constexpr, PDL_TRIGGER: tl.constexpr, PREFETCH: tl.constexpr,
+                  STAGED: tl.constexpr, JP2: tl.constexpr, SP2: tl.constexpr):
     """Partial (max, sum exp) of target and draft over one vocabulary chunk of one (row, position).
+
+    Grid ``(B * pos_count, S)``: positions ``pos_lo .. pos_lo + pos_count - 1`` of every row. STAGED (a launch
+    after the first of a staged plan): a row that certainly stopped before ``pos_lo`` (:func:`_rejected_before`,
+    from the statistics of the earlier launches) reads nothing, so rows past their first rejection are mostly
+    never read.
 
     stats: [B*(K+1), S, 4] fp32 (m_t, s_t, m_d, s_d); argmax: [B*(K+1), S] int32 (greedy rows, else V).
     ZERO_COUNTERS: program (row b, position 0, split 0) zeroes ``counter[b]``, the arrival counter of the race
@@ -218,10 +265,10 @@ def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greed
     """
     if PDL_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
-    pair = tl.program_id(0)
+    b = tl.program_id(0) // pos_count
+    j = pos_lo + tl.program_id(0) % pos_count
+    pair = b * (K + 1) + j
     split = tl.program_id(1)
-    b = pair // (K + 1)
-    j = pair % (K + 1)
     if ZERO_COUNTERS:
         if (j == 0) & (split == 0):
             tl.store(counter_ptr + b, 0)
@@ -232,6 +279,12 @@ def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greed
     if COMPUTE_SCORES:
         need_t = need_t | (j < K)
         need_d = need_d | (j < K)
+    if STAGED:
+        if need_t:
+            stopped = _rejected_before(target_ptr, draft_ptr, draft_tokens_ptr, seeds_ptr, offsets_ptr, stats_ptr,
+                                       argmax_ptr, b, n_b, g, scale, V, K, S, pos_lo, JP2, SP2)
+            need_t = need_t & ~stopped
+            need_d = need_d & ~stopped
     t_base = target_ptr + pair.to(tl.int64) * V
     d_base = draft_ptr + (b.to(tl.int64) * K + tl.minimum(j, K - 1)) * V
     lo = split * chunk
@@ -697,14 +750,44 @@ SEQ_MIN_BATCH = 1 << 62
 #                   2 also triggers the dependent launch at the start of the stats kernel
 #   stats_prefetch  stats loop issues the next tile's loads before the current tile's arithmetic
 #   stats_only      (benchmark breakdown) launch the stats kernel only; outputs are not written
+#   stages          staged statistics (see _stage_plan): positions where a new stats launch starts, rows that
+#                   certainly stopped earlier skip them; None automatic, () one launch
 TUNE_DEFAULT = dict(fuse=True, race_tiles=None, race_warps=None, race_programs=4, stats_programs=4, stats_block=None,
-                    stats_warps=None, stats_prefetch=None, tight_sp2=True, pdl=None, stats_only=False)
+                    stats_warps=None, stats_prefetch=None, tight_sp2=True, pdl=None, stats_only=False, stages=None)
 # automatic choices (None above), each measured on an H200 (benchmarks/NOTES_rejection.md, v5):
 #   stats_prefetch None: on for B >= 16 with the 4096 tile (B (K+1) tiles >= 4 per SM), with 16 warps when the stats
 #                   grid has one program per (row, position) (B (K+1) >= stats_programs * SMs; (128, 8): stats
 #                   208 -> 164 us, 96% of copy). v9 sweep: (32, 8, 32000) 24.7 -> 23.2 us, (32, 4, 151936)
 #                   49.0 -> 44.9 us, (128, 8, 151936) 261 -> 215 us; but (8, 4, 151936) 22.1 -> 27.1 us (with PDL)
 #   pdl None: 2 for B <= 8 (latency-bound) on sm_90+, else 0
+
+
+def _stage_plan(num_positions: int, batch: int, compute_scores: bool, stages) -> list[tuple[int, int]]:
+    """Launches of the statistics kernel as ``(first position, number of positions)``.
+
+    ``stages``: None (automatic), a falsy value (one launch over every position) or the positions where a new
+    launch starts, e.g. ``(2, 5)``: positions 0-1, then 2-4 for rows that have not certainly stopped, then 5-K.
+    Scores need every position, so they force one launch.
+    """
+    if stages is None:
+        stages = _AUTO_STAGES(num_positions, batch)
+    starts = sorted({int(p) for p in (stages or ()) if 0 < int(p) < num_positions})
+    if compute_scores or not starts:
+        return [(0, num_positions)]
+    bounds = [0, *starts, num_positions]
+    return [(lo, hi - lo) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def _auto_stages(num_positions: int, batch: int) -> tuple[int, ...]:
+    """Staged statistics where reading fewer rows can beat one more launch (``benchmarks/NOTES_rejection.md``)."""
+    if _INTERPRET:
+        return (2, 4) if num_positions >= 3 else ()  # CPU tests: every staged path runs
+    if num_positions < 5 or batch < 16:
+        return ()
+    return (2, 5) if num_positions >= 7 else (2,)
+
+
+_AUTO_STAGES = _auto_stages
 
 
 def rejection_sample_triton(
@@ -836,12 +919,15 @@ def rejection_sample_triton(
         alpha_part = torch.empty((batch, num_drafts, splits2), dtype=torch.float32, device=device)
     else:
         draft_logprob = alpha = alpha_part = stats  # unused placeholders
-    _stats_kernel[(pairs, splits)](
-        target, draft, tokens_in, counts_arg, mask_arg, stats, argmax, counter, inv_t, vocab, num_drafts, chunk,
-        splits, COMPUTE_SCORES=compute_scores, KP2=kp2, BLOCK=block, ZERO_COUNTERS=fuse, PDL_TRIGGER=pdl >= 2,
-        PREFETCH=bool(prefetch),
-        num_warps=warps, **flags,
-    )
+    stages = _stage_plan(num_positions, batch, compute_scores, cfg["stages"])
+    for index, (pos_lo, pos_count) in enumerate(stages):
+        last = index == len(stages) - 1
+        _stats_kernel[(batch * pos_count, splits)](
+            target, draft, tokens_in, counts_arg, mask_arg, stats, argmax, counter, seeds, offsets, inv_t, vocab,
+            num_drafts, chunk, splits, pos_lo, pos_count, COMPUTE_SCORES=compute_scores, KP2=kp2, BLOCK=block,
+            ZERO_COUNTERS=fuse and index == 0, PDL_TRIGGER=pdl >= 2 and last, PREFETCH=bool(prefetch),
+            STAGED=index > 0, JP2=jp2, SP2=_sp2(splits, cfg["tight_sp2"]), num_warps=warps, **flags,
+        )
     if cfg["stats_only"]:
         return tokens, num_accepted, None, None
     launch = dict(launch_pdl=True) if pdl >= 1 else {}

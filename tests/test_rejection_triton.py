@@ -17,9 +17,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 import specdec  # noqa: E402
-from specdec.kernels.rejection_sampling import rejection_sample_triton  # noqa: E402
+from specdec.kernels.rejection_sampling import _rejected_before, rejection_sample_triton  # noqa: E402
 from specdec.kernels.rejection_sampling_reference import rejection_sample_reference  # noqa: E402
 from specdec.metrics import acceptance_from_logits, accepted_count_distribution  # noqa: E402
 
@@ -393,3 +395,84 @@ def test_large_shapes_gpu_scores_and_launch_invariance(vocab):
         sl = slice(row, row + 1)
         alone = rejection_sample_triton(target[sl], draft[sl], drafts[sl], seeds[sl], offsets[sl], 1.0)
         assert torch.equal(alone[0][0], full[0][row])
+
+
+# ------------------------------------------------------------------------------------------ staged statistics
+@triton.jit
+def _probe_rejected_before(target, draft, tokens, seeds, offsets, stats, argmax, out, n_b, g, scale, V, K, S, pos_lo,
+                           JP2: tl.constexpr, SP2: tl.constexpr):
+    stopped = _rejected_before(target, draft, tokens, seeds, offsets, stats, argmax, tl.program_id(0), n_b, g, scale,
+                               V, K, S, pos_lo, JP2, SP2)
+    tl.store(out, stopped.to(tl.int32))
+
+
+def _stopped_before(target, draft, tokens, seeds, offsets, pos_lo, n_b, greedy=False):
+    """Run the staged-statistics skip rule on one row whose per-position statistics are computed in float64."""
+    k1, vocab = target.shape[1], target.shape[2]
+    stats = torch.stack([target.double().amax(-1), (target.double() - target.double().amax(-1, keepdim=True))
+                         .exp().sum(-1)], -1)[0]
+    dpad = torch.cat([draft, draft[:, -1:]], 1).double()
+    dstats = torch.stack([dpad.amax(-1), (dpad - dpad.amax(-1, keepdim=True)).exp().sum(-1)], -1)[0]
+    packed = torch.cat([stats, dstats], -1).float().reshape(k1, 1, 4).contiguous().to(DEVICE)
+    argmax = target[0].argmax(-1).to(torch.int32).reshape(k1, 1).contiguous().to(DEVICE)
+    out = torch.full((1,), -1, dtype=torch.int32, device=DEVICE)
+    _probe_rejected_before[(1,)](target.to(DEVICE), draft.to(DEVICE), tokens.to(DEVICE), seeds.to(DEVICE),
+                          offsets.to(DEVICE), packed, argmax, out, n_b, int(greedy), 1.0, vocab, k1 - 1, 1, pos_lo,
+                          JP2=8, SP2=2)
+    return bool(out.item())
+
+
+def test_staged_statistics_skip_only_certain_rejections() -> None:
+    """A later statistics launch skips a row only when a draft before it is rejected beyond rounding doubt: q(x) = 0,
+    a clear sampled rejection, a greedy mismatch or a row that ends earlier; a near-tie (1e-6 from the threshold)
+    or accepted drafts never skip (the race kernel, which decides, could reach those positions)."""
+    from specdec.kernels.rng import ACCEPT_INDEX, uniform
+
+    gen = torch.Generator().manual_seed(5)
+    num_drafts, vocab = 4, 64
+    seeds = torch.tensor([123], dtype=torch.int64)
+    offsets = torch.tensor([7], dtype=torch.int64)
+    log_u = torch.log(uniform(seeds.expand(num_drafts), offsets + torch.arange(num_drafts),
+                              torch.full((num_drafts,), ACCEPT_INDEX, dtype=torch.int64))).double()
+
+    def case(deltas):
+        """Logits whose draft j sits ``deltas[j]`` above the accept threshold: log p(x_j) = log u_j + log q(x_j) + d."""
+        target = torch.randn(1, num_drafts + 1, vocab, generator=gen, dtype=torch.float64)
+        draft = torch.randn(1, num_drafts, vocab, generator=gen, dtype=torch.float64)
+        tokens = torch.randint(0, vocab, (1, num_drafts), generator=gen)
+        for j, delta in enumerate(deltas):
+            x = int(tokens[0, j])
+            lq = draft[0, j, x] - torch.logsumexp(draft[0, j], 0)
+            want = log_u[j] + lq + delta
+            others = torch.cat([target[0, j, :x], target[0, j, x + 1:]])
+            target[0, j, x] = want + torch.logsumexp(others, 0) - torch.log1p(-torch.exp(want))
+        return target.float(), draft.float(), tokens
+
+    target, draft, tokens = case([0.5, 0.5, 0.5, 0.5])
+    assert not _stopped_before(target, draft, tokens, seeds, offsets, pos_lo=3, n_b=4)
+    target, draft, tokens = case([0.5, -1e-6, 0.5, 0.5])  # rejected in exact arithmetic, but a near-tie
+    assert not _stopped_before(target, draft, tokens, seeds, offsets, pos_lo=3, n_b=4)
+    target, draft, tokens = case([0.5, -0.05, 0.5, 0.5])
+    assert _stopped_before(target, draft, tokens, seeds, offsets, pos_lo=3, n_b=4)
+    assert not _stopped_before(target, draft, tokens, seeds, offsets, pos_lo=1, n_b=4)  # the rejection is later
+    target, draft, tokens = case([0.5, 0.5, 0.5, 0.5])
+    draft[0, 2, int(tokens[0, 2])] = float("-inf")  # q(x) = 0
+    assert _stopped_before(target, draft, tokens, seeds, offsets, pos_lo=3, n_b=4)
+    assert not _stopped_before(target, draft, tokens, seeds, offsets, pos_lo=2, n_b=4)
+    target, draft, tokens = case([0.5, 0.5, 0.5, 0.5])
+    assert _stopped_before(target, draft, tokens, seeds, offsets, pos_lo=3, n_b=2)  # the row ends at position 2
+    assert not _stopped_before(target, draft, tokens, seeds, offsets, pos_lo=2, n_b=2)
+    greedy_tokens = target[0, :num_drafts].argmax(-1)[None]
+    assert not _stopped_before(target, draft, greedy_tokens, seeds, offsets, pos_lo=4, n_b=4, greedy=True)
+    greedy_tokens[0, 1] = (greedy_tokens[0, 1] + 1) % vocab
+    assert _stopped_before(target, draft, greedy_tokens, seeds, offsets, pos_lo=4, n_b=4, greedy=True)
+
+
+@pytest.mark.parametrize("stages", [(), (1,), (2, 3), (1, 2, 3, 4, 5, 6, 7, 8)])
+def test_stage_plans_give_the_same_result(stages) -> None:
+    """Any staging of the statistics launches gives the reference's tokens (rows stop at every position here)."""
+    target, draft, tokens, seeds, offsets = make_case(8, 8, 300, seed=11, noise=0.3)
+    ref = rejection_sample_reference(target, draft, tokens, seeds, offsets, 1.0)
+    got = rejection_sample_triton(target, draft, tokens, seeds, offsets, 1.0, tune={"stages": stages})
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert len(set(got[1].tolist())) >= 3  # several different stop positions
