@@ -130,7 +130,7 @@ SWEEP = {
     "stages_1_3_6": dict(stages=(1, 3, 6)),
     "stages_2_4_6": dict(stages=(2, 4, 6)),
 }
-SWEEP_STAGES = ("default", "stages_off", "stages_2", "stages_3", "stages_2_5", "stages_1_3_6", "stages_2_4_6")
+SWEEP_STAGES = ("default", "stages_off", "stages_2", "stages_3", "stages_2_5", "stages_1_3_6", "stages_2_4_6")  # v10
 # Earlier sweeps (results/rejection_sweep_H200_v5..v9*.csv) also timed other settings; every row records its tune.
 SWEEP_SMALL = ("default", "stats_pf", "stats_nopf", "race_t4w4", "stats_prog8", "pdl0", "stats:default")
 SWEEP_LARGE = ("default", "stats_nopf", "stats_b2048", "stats_b2048pf", "race_t2w2", "race_t4w8", "race_t8w8",
@@ -173,7 +173,7 @@ def run_sweep(shapes, dtype_name, out_path, l2_bytes, copy_gbps, env, max_second
                     torch.cuda.synchronize()
                     med = p20 = p80 = float("nan")
                     note = f"{type(exc).__name__}: {str(exc)[:200]}"
-                plan = _stage_plan(num_drafts + 1, batch, False, dict(TUNE_DEFAULT, **tune)["stages"])
+                plan = _stage_plan(num_drafts + 1, batch, False, dict(TUNE_DEFAULT, **tune)["stages"], vocab, esize)
                 read = bytes_read("split", ref[1], num_drafts, vocab, esize, plan)
                 if tune.get("stats_only"):
                     read = batch * (2 * num_drafts + 1) * vocab * esize
@@ -340,7 +340,7 @@ def main() -> None:
                     if match == "False":
                         diagnose(s0, out, ref, num_drafts)
                     used = "split" if strategy == "auto" else strategy
-                    plan = _stage_plan(num_drafts + 1, batch, False, TUNE_DEFAULT["stages"])
+                    plan = _stage_plan(num_drafts + 1, batch, False, TUNE_DEFAULT["stages"], vocab, esize)
                     read = bytes_read(used, out[1], num_drafts, vocab, esize, plan)
                 row.update(kernel="rejection_sample", provider=provider, B=batch, K=num_drafts,
                            V=vocab, dtype=dtype_name, median_us=f"{med:.2f}", p20_us=f"{p20:.2f}",

@@ -279,12 +279,6 @@ def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greed
     if COMPUTE_SCORES:
         need_t = need_t | (j < K)
         need_d = need_d | (j < K)
-    if STAGED:
-        if need_t:
-            stopped = _rejected_before(target_ptr, draft_ptr, draft_tokens_ptr, seeds_ptr, offsets_ptr, stats_ptr,
-                                       argmax_ptr, b, n_b, g, scale, V, K, S, pos_lo, JP2, SP2)
-            need_t = need_t & ~stopped
-            need_d = need_d & ~stopped
     t_base = target_ptr + pair.to(tl.int64) * V
     d_base = draft_ptr + (b.to(tl.int64) * K + tl.minimum(j, K - 1)) * V
     lo = split * chunk
@@ -304,6 +298,12 @@ def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greed
         lim = tl.where(lo < hi, V, 0)
         t_nx = tl.load(t_base + lo + rows2, mask=lo + rows2 < lim, other=float("-inf"))
         d_nx = tl.load(d_base + lo + rows2, mask=lo + rows2 < tl.minimum(lim, v_d), other=float("-inf"))
+    if STAGED:  # (after the first tile's loads are issued: their latency overlaps the check's)
+        if lo < hi:
+            stopped = _rejected_before(target_ptr, draft_ptr, draft_tokens_ptr, seeds_ptr, offsets_ptr, stats_ptr,
+                                       argmax_ptr, b, n_b, g, scale, V, K, S, pos_lo, JP2, SP2)
+            hi = tl.where(stopped, lo, hi)
+            v_d = tl.where(stopped, 0, v_d)
     for start in range(lo, hi, BLOCK):
         offs = start + rows2
         if PREFETCH:
@@ -762,7 +762,8 @@ TUNE_DEFAULT = dict(fuse=True, race_tiles=None, race_warps=None, race_programs=4
 #   pdl None: 2 for B <= 8 (latency-bound) on sm_90+, else 0
 
 
-def _stage_plan(num_positions: int, batch: int, compute_scores: bool, stages) -> list[tuple[int, int]]:
+def _stage_plan(num_positions: int, batch: int, compute_scores: bool, stages, vocab: int = 0,
+                element_size: int = 2) -> list[tuple[int, int]]:
     """Launches of the statistics kernel as ``(first position, number of positions)``.
 
     ``stages``: None (automatic), a falsy value (one launch over every position) or the positions where a new
@@ -770,7 +771,7 @@ def _stage_plan(num_positions: int, batch: int, compute_scores: bool, stages) ->
     Scores need every position, so they force one launch.
     """
     if stages is None:
-        stages = _AUTO_STAGES(num_positions, batch)
+        stages = _auto_stages(num_positions, batch, vocab, element_size)
     starts = sorted({int(p) for p in (stages or ()) if 0 < int(p) < num_positions})
     if compute_scores or not starts:
         return [(0, num_positions)]
@@ -778,16 +779,20 @@ def _stage_plan(num_positions: int, batch: int, compute_scores: bool, stages) ->
     return [(lo, hi - lo) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-def _auto_stages(num_positions: int, batch: int) -> tuple[int, ...]:
-    """Staged statistics where reading fewer rows can beat one more launch (``benchmarks/NOTES_rejection.md``)."""
+def _auto_stages(num_positions: int, batch: int, vocab: int, element_size: int) -> tuple[int, ...]:
+    """Staged statistics where reading fewer rows beats one more launch and its skip checks.
+
+    H200 sweep (``results/rejection_sweep_H200_stages_{bf16,fp32}.csv``): positions 0-2, then 3-K, wins when
+    K >= 6 and the logits are >= 200 MB ((32, 8, 151936) fp32 106 -> 91 us, (128, 8, 151936) bf16 214 -> 191 us,
+    fp32 375 -> 264 us); below that (bf16 (32, 8): 66 -> 73 us) or with K = 4 the extra launch costs more.
+    """
     if _INTERPRET:
         return (2, 4) if num_positions >= 3 else ()  # CPU tests: every staged path runs
-    if num_positions < 5 or batch < 16:
+    logit_bytes = batch * (2 * num_positions - 1) * vocab * element_size
+    if num_positions < 7 or logit_bytes < 200e6:
         return ()
-    return (2, 5) if num_positions >= 7 else (2,)
+    return (3,)
 
-
-_AUTO_STAGES = _auto_stages
 
 
 def rejection_sample_triton(
@@ -919,7 +924,7 @@ def rejection_sample_triton(
         alpha_part = torch.empty((batch, num_drafts, splits2), dtype=torch.float32, device=device)
     else:
         draft_logprob = alpha = alpha_part = stats  # unused placeholders
-    stages = _stage_plan(num_positions, batch, compute_scores, cfg["stages"])
+    stages = _stage_plan(num_positions, batch, compute_scores, cfg["stages"], vocab, target.element_size())
     for index, (pos_lo, pos_count) in enumerate(stages):
         last = index == len(stages) - 1
         _stats_kernel[(batch * pos_count, splits)](
