@@ -44,10 +44,11 @@ Two launch strategies compute the same function:
   pair to partial (max, sum-exp) of target and draft and, for greedy rows, the lowest arg-max. Positions past a
   row's last draft are skipped. For large inputs (K >= 6, logits >= 200 MB) it runs as two launches, positions
   0-2 then 3-K, and a row that certainly stopped before position 3 reads nothing in the second (staged
-  statistics, :func:`_rejected_before`; the race kernel still makes every decision). (2) ``_race_kernel``, grid ``(B, S2)``: every program combines the partials of its
-  row (vectorised over positions), runs the accept tests, finds the stop position, then runs level 1 of the race on
-  its vocabulary chunk of the stop row only (blocks of ``race_tiles`` tiles, one warp per tile, so the tile sums are
-  warp reductions) and level 2 on its best tile (from registers when the chunk is one block); with
+  statistics, :func:`_rejected_before`; the race kernel still makes every decision).
+  (2) ``_race_kernel``, grid ``(B, S2)``: every program combines the partials of its row (vectorised over
+  positions), runs the accept tests, finds the stop position, then runs level 1 of the race on its vocabulary
+  chunk of the stop row only (blocks of ``race_tiles`` tiles, one warp per tile, so the tile sums are warp
+  reductions) and level 2 on its best tile (from registers when the chunk is one block); with
   ``compute_scores`` also partial alpha sums for all positions. (3) the last race program of each row (arrival
   counter), or ``_finalize_kernel`` with grid ``(B,)`` when not fused: picks the winning tile among the programs'
   best ones, takes the level-2 id of the program holding it and writes the outputs (in the rare fallback, rejected
