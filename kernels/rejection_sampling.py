@@ -769,13 +769,20 @@ def _stage_plan(num_positions: int, batch: int, compute_scores: bool, stages, vo
                 element_size: int = 2) -> list[tuple[int, int]]:
     """Launches of the statistics kernel as ``(first position, number of positions)``.
 
-    ``stages``: None (automatic), a falsy value (one launch over every position) or the positions where a new
+    ``stages``: None (automatic), an empty sequence (one launch over every position) or the positions where a new
     launch starts, e.g. ``(2, 5)``: positions 0-1, then 2-4 for rows that have not certainly stopped, then 5-K.
-    Scores need every position, so they force one launch.
+    Positions past the last one (K) are ignored, so one plan serves every K. Scores need every position, so they
+    force one launch.
     """
     if stages is None:
         stages = _auto_stages(num_positions, batch, vocab, element_size)
-    starts = sorted({int(p) for p in (stages or ()) if 0 < int(p) < num_positions})
+    if not isinstance(stages, (tuple, list)) or not all(isinstance(p, int) and not isinstance(p, bool)
+                                                        for p in stages):
+        raise TypeError(f"tune['stages'] must be None or a tuple of positions (ints), got {stages!r}")
+    if any(p < 1 for p in stages):
+        raise ValueError(f"tune['stages'] positions must be >= 1 (position 0 always starts the first launch), "
+                         f"got {tuple(stages)}")
+    starts = sorted({p for p in stages if p < num_positions})
     if compute_scores or not starts:
         return [(0, num_positions)]
     bounds = [0, *starts, num_positions]

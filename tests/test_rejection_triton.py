@@ -117,6 +117,10 @@ def test_unknown_tune_key_is_an_error():
         rejection_sample_triton(*case, 1.0, tune={"race_blok": 64})
     with pytest.raises(ValueError, match="race_tiles"):
         rejection_sample_triton(*case, 1.0, tune={"race_tiles": 3})
+    with pytest.raises(TypeError, match=r"tune\['stages'\]"):
+        rejection_sample_triton(*case, 1.0, tune={"stages": 3})
+    with pytest.raises(ValueError, match=r"tune\['stages'\]"):
+        rejection_sample_triton(*case, 1.0, tune={"stages": (0, 2)})
 
 
 @pytest.mark.parametrize("vocab", [1, 3])
