@@ -480,3 +480,24 @@ def test_stage_plans_give_the_same_result(stages) -> None:
     got = rejection_sample_triton(target, draft, tokens, seeds, offsets, 1.0, tune={"stages": stages})
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     assert len(set(got[1].tolist())) >= 3  # several different stop positions
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch", [2, 8])
+def test_stage_plans_gpu_several_vocabulary_splits(batch, dtype):
+    """Staged statistics with several vocabulary splits per position (the race kernel's combine then sums the
+    splits in another order than the skip check's): every plan equals one launch and the reference, with sampled,
+    greedy and temperature-0 rows, per-row draft counts and -1 drafts."""
+    target, draft, drafts, seeds, offsets = make_case(batch, 8, 151936, dtype, seed=batch + 17, noise=0.4)
+    drafts[0, 6:] = -1
+    counts = torch.full((batch,), 8, dtype=torch.int64, device=DEVICE)
+    counts[-1] = 5
+    greedy_mask = torch.arange(batch, device=DEVICE) % 2 == 1
+    for temperature, mask in ((1.0, None), (0.7, greedy_mask), (0.0, None)):
+        ref = rejection_sample_reference(target, draft, drafts, seeds, offsets, temperature, greedy_mask=mask,
+                                         num_draft_tokens=counts)
+        for stages in ((), (3,), (1, 2, 3, 4, 5, 6, 7, 8)):
+            got = rejection_sample_triton(target, draft, drafts, seeds, offsets, temperature, greedy_mask=mask,
+                                          num_draft_tokens=counts, tune={"stages": stages})
+            assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (temperature, stages)
