@@ -130,7 +130,6 @@ SWEEP = {
     "stages_1_3_6": dict(stages=(1, 3, 6)),
     "stages_2_4_6": dict(stages=(2, 4, 6)),
 }
-SWEEP_STAGES = ("default", "stages_off", "stages_2", "stages_3", "stages_2_5", "stages_1_3_6", "stages_2_4_6")  # v10
 # Earlier sweeps (results/rejection_sweep_H200_v5..v9*.csv) also timed other settings; every row records its tune.
 SWEEP_SMALL = ("default", "stats_pf", "stats_nopf", "race_t4w4", "stats_prog8", "pdl0", "stats:default")
 SWEEP_LARGE = ("default", "stats_nopf", "stats_b2048", "stats_b2048pf", "race_t2w2", "race_t4w8", "race_t8w8",

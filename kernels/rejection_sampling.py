@@ -207,6 +207,37 @@ def _in_tile_race(t_base, d_base, tile, residual, lt, delta, scale, rk_a, rk_b, 
 
 
 @triton.jit
+def _draft_logits(target_ptr, draft_ptr, draft_tokens_ptr, b, js, rows, V, K, scale):
+    """Per position ``js`` of row ``b``: the draft id ``x`` (0 past K) and the scaled target and draft logits at it
+    (0 outside ``rows``; ids clamped to [0, V) before the gather)."""
+    pair = b.to(tl.int64) * (K + 1) + js
+    x = tl.load(draft_tokens_ptr + b.to(tl.int64) * K + js, mask=js < K, other=0)
+    xs = tl.minimum(tl.maximum(x, 0), V - 1)
+    t_x = tl.load(target_ptr + pair * V + xs, mask=rows, other=0.0).to(tl.float32) * scale
+    d_x = tl.load(draft_ptr + (b.to(tl.int64) * K + tl.minimum(js, K - 1)) * V + xs,
+                  mask=rows, other=0.0).to(tl.float32) * scale
+    return x, t_x, d_x
+
+
+@triton.jit
+def _position_stats(stats_ptr, argmax_ptr, pair, rows, V, S, SP2: tl.constexpr):
+    """Combine the stats kernel's partials of the positions ``pair`` ([JP2] int64 (row, position) indices; only
+    ``rows`` are read): log-sum-exp, max and sum-exp of target and draft, and the greedy arg-max (the partial
+    arg-max of the first split holding the row maximum; ``V`` where there is none)."""
+    ss = tl.arange(0, SP2)
+    st_off = (pair[:, None] * S + ss[None, :]) * 4
+    m2 = rows[:, None] & (ss[None, :] < S)
+    lt, mt, st = _combine_lse(tl.load(stats_ptr + st_off, mask=m2, other=float("-inf")),
+                              tl.load(stats_ptr + st_off + 1, mask=m2, other=0.0), 1)
+    ld, md, sd = _combine_lse(tl.load(stats_ptr + st_off + 2, mask=m2, other=float("-inf")),
+                              tl.load(stats_ptr + st_off + 3, mask=m2, other=0.0), 1)
+    mpart = tl.load(stats_ptr + st_off, mask=m2, other=float("-inf"))
+    first_split = tl.min(tl.where((mpart == mt[:, None]) & m2, ss[None, :], SP2), axis=1)
+    am = tl.load(argmax_ptr + pair * S + first_split, mask=rows & (first_split < S), other=V)
+    return lt, mt, st, ld, md, sd, am
+
+
+@triton.jit
 def _rejected_before(target_ptr, draft_ptr, draft_tokens_ptr, seeds_ptr, offsets_ptr, stats_ptr, argmax_ptr,
                      b, n_b, g, scale, V, K, S, pos_lo, JP2: tl.constexpr, SP2: tl.constexpr):
     """True when row ``b`` certainly stops before position ``pos_lo`` (staged statistics: its later positions
@@ -218,26 +249,12 @@ def _rejected_before(target_ptr, draft_ptr, draft_tokens_ptr, seeds_ptr, offsets
     layouts); a greedy rejection (``x != argmax``) is exact, and so is ``pos_lo > n_b``.
     """
     js = tl.arange(0, JP2)
-    ss = tl.arange(0, SP2)
-    jmask = js < pos_lo
-    real = jmask & (js < n_b)
-    pair = b.to(tl.int64) * (K + 1) + js
-    x = tl.load(draft_tokens_ptr + b.to(tl.int64) * K + js, mask=real, other=0)
-    xs = tl.minimum(tl.maximum(x, 0), V - 1)
-    t_x = tl.load(target_ptr + pair * V + xs, mask=real, other=0.0).to(tl.float32) * scale
-    d_x = tl.load(draft_ptr + (b.to(tl.int64) * K + tl.minimum(js, K - 1)) * V + xs,
-                  mask=real, other=0.0).to(tl.float32) * scale
+    real = (js < pos_lo) & (js < n_b)
+    x, t_x, d_x = _draft_logits(target_ptr, draft_ptr, draft_tokens_ptr, b, js, real, V, K, scale)
     key_a, key_b = stream_keys_tl(tl.load(seeds_ptr + b), tl.load(offsets_ptr + b) + js)
     u = uniform_from_keys_tl(key_a, key_b, tl.full([JP2], 0xFFFFFFFF, tl.uint32))
-    st_off = (pair[:, None] * S + ss[None, :]) * 4
-    m2 = real[:, None] & (ss[None, :] < S)
-    lt, mt, _st = _combine_lse(tl.load(stats_ptr + st_off, mask=m2, other=float("-inf")),
-                               tl.load(stats_ptr + st_off + 1, mask=m2, other=0.0), 1)
-    ld, _md, _sd = _combine_lse(tl.load(stats_ptr + st_off + 2, mask=m2, other=float("-inf")),
-                                tl.load(stats_ptr + st_off + 3, mask=m2, other=0.0), 1)
-    mpart = tl.load(stats_ptr + st_off, mask=m2, other=float("-inf"))
-    first_split = tl.min(tl.where((mpart == mt[:, None]) & m2, ss[None, :], SP2), axis=1)
-    am = tl.load(argmax_ptr + pair * S + first_split, mask=real & (first_split < S), other=V)
+    lt, _mt, _st, ld, _md, _sd, am = _position_stats(stats_ptr, argmax_ptr, b.to(tl.int64) * (K + 1) + js, real,
+                                                     V, S, SP2)
     lp = t_x - lt
     lq = d_x - ld
     margin = 1e-3 + 1e-5 * (tl.abs(t_x) + tl.abs(lt) + tl.abs(d_x) + tl.abs(ld))
@@ -389,32 +406,17 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
     off = tl.load(offsets_ptr + b)
 
     js = tl.arange(0, JP2)
-    ss = tl.arange(0, SP2)
     jmask = js < K + 1
-    smask = ss < S
     pair = b.to(tl.int64) * (K + 1) + js
     draft_mask = js < K
-    x = tl.load(draft_tokens_ptr + b.to(tl.int64) * K + js, mask=draft_mask, other=0)
-    xs = tl.minimum(tl.maximum(x, 0), V - 1)
     real = js < n_b
-    t_x = tl.load(target_ptr + pair * V + xs, mask=real, other=0.0).to(tl.float32) * scale
-    d_x = tl.load(draft_ptr + (b.to(tl.int64) * K + tl.minimum(js, K - 1)) * V + xs,
-                  mask=real, other=0.0).to(tl.float32) * scale
+    x, t_x, d_x = _draft_logits(target_ptr, draft_ptr, draft_tokens_ptr, b, js, real, V, K, scale)
     key_a, key_b = stream_keys_tl(seed, off + js)
     u = uniform_from_keys_tl(key_a, key_b, tl.full([JP2], 0xFFFFFFFF, tl.uint32))
     if PDL_WAIT:
         tl.extra.cuda.gdc_wait()
 
-    st_off = (pair[:, None] * S + ss[None, :]) * 4
-    m2 = jmask[:, None] & smask[None, :]
-    lt, mt, st = _combine_lse(tl.load(stats_ptr + st_off, mask=m2, other=float("-inf")),
-                              tl.load(stats_ptr + st_off + 1, mask=m2, other=0.0), 1)
-    ld, md, sd = _combine_lse(tl.load(stats_ptr + st_off + 2, mask=m2, other=float("-inf")),
-                              tl.load(stats_ptr + st_off + 3, mask=m2, other=0.0), 1)
-    # greedy arg-max per position: first split holding the row maximum, then its partial arg-max
-    mpart = tl.load(stats_ptr + st_off, mask=m2, other=float("-inf"))
-    first_split = tl.min(tl.where((mpart == mt[:, None]) & m2, ss[None, :], SP2), axis=1)
-    am = tl.load(argmax_ptr + pair * S + first_split, mask=jmask & (first_split < S), other=V)
+    lt, mt, st, ld, md, sd, am = _position_stats(stats_ptr, argmax_ptr, pair, jmask, V, S, SP2)
 
     lp = t_x - lt
     lq = d_x - ld
