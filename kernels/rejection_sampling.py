@@ -258,7 +258,8 @@ def _rejected_before(target_ptr, draft_ptr, draft_tokens_ptr, seeds_ptr, offsets
     lp = t_x - lt
     lq = d_x - ld
     margin = 1e-3 + 1e-5 * (tl.abs(t_x) + tl.abs(lt) + tl.abs(d_x) + tl.abs(ld))
-    rej_s = (d_x == float("-inf")) | (tl.log(u) + lq > lp + margin)  # NaN compares false: not certain
+    # q(x) = 0 or p(x) = 0 always rejects; otherwise only beyond the margin (NaN compares false: not certain)
+    rej_s = (d_x == float("-inf")) | (t_x == float("-inf")) | (tl.log(u) + lq > lp + margin)
     rej_g = x != am
     certain = real & tl.where(g != 0, rej_g, rej_s)
     return (tl.sum(certain.to(tl.int32), axis=0) > 0) | (pos_lo > n_b)
@@ -420,7 +421,9 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
 
     lp = t_x - lt
     lq = d_x - ld
-    acc_s = (lq > float("-inf")) & (tl.log(u) + lq <= lp)
+    # lt > -inf: a position whose statistics were never computed (a wrongly skipped one) stops the row instead
+    # of accepting its draft unverified (lp = lq = +inf there)
+    acc_s = (lq > float("-inf")) & (lt > float("-inf")) & (tl.log(u) + lq <= lp)
     acc_g = x == am
     acc = real & tl.where(g != 0, acc_g, acc_s)
     stop = tl.min(tl.where(jmask & (js <= n_b) & (~acc), js, JP2), axis=0)

@@ -428,8 +428,8 @@ def _stopped_before(target, draft, tokens, seeds, offsets, pos_lo, n_b, greedy=F
 
 def test_staged_statistics_skip_only_certain_rejections() -> None:
     """A later statistics launch skips a row only when a draft before it is rejected beyond rounding doubt: q(x) = 0,
-    a clear sampled rejection, a greedy mismatch or a row that ends earlier; a near-tie (1e-6 from the threshold)
-    or accepted drafts never skip (the race kernel, which decides, could reach those positions)."""
+    p(x) = 0, a clear sampled rejection, a greedy mismatch or a row that ends earlier; a near-tie (1e-6 from the
+    threshold) or accepted drafts never skip (the race kernel, which decides, could reach those positions)."""
     from specdec.kernels.rng import ACCEPT_INDEX, uniform
 
     gen = torch.Generator().manual_seed(5)
@@ -463,6 +463,10 @@ def test_staged_statistics_skip_only_certain_rejections() -> None:
     draft[0, 2, int(tokens[0, 2])] = float("-inf")  # q(x) = 0
     assert _stopped_before(target, draft, tokens, seeds, offsets, pos_lo=3, n_b=4)
     assert not _stopped_before(target, draft, tokens, seeds, offsets, pos_lo=2, n_b=4)
+    target, draft, tokens = case([0.5, 0.5, 0.5, 0.5])
+    target[0, 1, int(tokens[0, 1])] = float("-inf")  # p(x) = 0
+    assert _stopped_before(target, draft, tokens, seeds, offsets, pos_lo=2, n_b=4)
+    assert not _stopped_before(target, draft, tokens, seeds, offsets, pos_lo=1, n_b=4)
     target, draft, tokens = case([0.5, 0.5, 0.5, 0.5])
     assert _stopped_before(target, draft, tokens, seeds, offsets, pos_lo=3, n_b=2)  # the row ends at position 2
     assert not _stopped_before(target, draft, tokens, seeds, offsets, pos_lo=2, n_b=2)
