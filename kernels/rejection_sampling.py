@@ -768,6 +768,11 @@ TUNE_DEFAULT = dict(fuse=True, race_tiles=None, race_warps=None, race_programs=4
 #                   208 -> 164 us, 96% of copy). v9 sweep: (32, 8, 32000) 24.7 -> 23.2 us, (32, 4, 151936)
 #                   49.0 -> 44.9 us, (128, 8, 151936) 261 -> 215 us; but (8, 4, 151936) 22.1 -> 27.1 us (with PDL)
 #   pdl None: 2 for B <= 8 (latency-bound) on sm_90+, else 0
+#   stats_block None, fp32 logits with V <= FP32_SMALL_VOCAB: a prefetched 2048 tile, 4 warps (v11 sweep,
+#                   results/rejection_sweep_H200_v11_fp32_small2.csv: (32, 1, 32000) 21.2 -> 16.7 us, (32, 8) 33.3 ->
+#                   30.0, (128, 8) 86.3 -> 75.9, (8, 8) 21.5 -> 19.3; (128, 1) 33.1 -> 34.8 is the one loss; at
+#                   V = 151936 the 2048 tile loses, e.g. (32, 8) 90.9 -> 97.5)
+FP32_SMALL_VOCAB = 65536
 
 
 def _stage_plan(num_positions: int, batch: int, compute_scores: bool, stages, vocab: int = 0,
@@ -904,13 +909,17 @@ def rejection_sample_triton(
         block = min(1024, max(8, triton.next_power_of_2(vocab)))  # the stats tile is [BLOCK // 8, 8]
     elif cfg["stats_block"] is not None:
         block = cfg["stats_block"]
+    elif target.element_size() == 4 and vocab <= FP32_SMALL_VOCAB:
+        block = 2048  # 8 KB tiles, prefetched (latency-bound shapes: fewer, wider loads per program)
     else:
         block = 4096 if pairs * triton.cdiv(vocab, 4096) >= 4 * sms else 1024
     prefetch = cfg["stats_prefetch"]
     auto_warps = 8 if block >= 4096 else 4
     if prefetch is None:
-        prefetch = not _INTERPRET and block_v is None and cfg["stats_block"] is None and block == 4096 and batch >= 16
-        if prefetch and pairs >= cfg["stats_programs"] * sms:
+        auto_plan = not _INTERPRET and block_v is None and cfg["stats_block"] is None
+        fp32_small = target.element_size() == 4 and vocab <= FP32_SMALL_VOCAB
+        prefetch = auto_plan and (fp32_small or (block == 4096 and batch >= 16))
+        if prefetch and not fp32_small and pairs >= cfg["stats_programs"] * sms:
             auto_warps = 16
     warps = num_warps or cfg["stats_warps"] or auto_warps
     race_tiles = int(cfg["race_tiles"] or (2 if batch <= 2 else 4))
