@@ -492,6 +492,8 @@ def launch_divergence(
     """
     verifier_logits = _row_major(verifier_logits)
     drafter_logits = _row_major(drafter_logits)
+    # the kernel indexes [N] side inputs with unit stride
+    mask, task_ids, weights = (t.contiguous() if t is not None else None for t in (mask, task_ids, weights))
     n_rows, vocab = verifier_logits.shape
     device = verifier_logits.device
     f32 = dict(dtype=torch.float32, device=device)
@@ -586,7 +588,8 @@ class DivergenceLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, drafter_logits: torch.Tensor, verifier_logits: torch.Tensor, weights: torch.Tensor | None,
-                mask: torch.Tensor | None, temperature: float, reduction: str) -> torch.Tensor:
+                mask: torch.Tensor | None, temperature: float, reduction: str,
+                check_inputs: bool = False) -> torch.Tensor:
         n_rows = drafter_logits.shape[0]
         if reduction == "mean":
             count = float(n_rows if mask is None else int(mask.sum()))
@@ -597,8 +600,10 @@ class DivergenceLossFunction(torch.autograd.Function):
         grad = torch.empty_like(drafter_logits, memory_format=torch.contiguous_format) if needs_grad else None
         mask_u8 = mask.to(torch.uint8) if mask is not None else None
         w32 = weights.to(torch.float32).contiguous() if weights is not None else None
-        ce = launch_divergence(verifier_logits, drafter_logits, temperature, mask=mask_u8, compute_tv=False,
-                               grad_out=grad, weights=w32, grad_scale=scale)[0]
+        ce, _, _, _, status, _ = launch_divergence(verifier_logits, drafter_logits, temperature, mask=mask_u8,
+                                                   compute_tv=False, grad_out=grad, weights=w32, grad_scale=scale)
+        if check_inputs:
+            raise_on_bad_status(status)
         ctx.save_for_backward(grad)
         return _weighted_total(ce, weights, mask) * scale
 
@@ -606,19 +611,28 @@ class DivergenceLossFunction(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         (grad,) = ctx.saved_tensors
         if grad is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         if not torch.equal(grad_output, torch.ones_like(grad_output)):
             grad = grad * grad_output.to(grad.dtype)
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def divergence_loss_triton(drafter_logits: torch.Tensor, verifier_logits: torch.Tensor,
                            weights: torch.Tensor | None, mask: torch.Tensor | None, temperature: float,
-                           reduction: str) -> torch.Tensor:
+                           reduction: str, check_inputs: bool = False) -> torch.Tensor:
     """Triton path of :func:`specdec.divergence_loss` (0-dim float32, differentiable w.r.t. ``drafter_logits``)."""
     return DivergenceLossFunction.apply(drafter_logits, verifier_logits.detach(), weights, mask, temperature,
-                                        reduction)
+                                        reduction, check_inputs)
+
+
+def raise_on_bad_status(status: torch.Tensor) -> None:
+    """ValueError naming the input whose counted rows the kernel flagged (``status`` [N] int32: bit 0 verifier,
+    bit 1 drafter: NaN, +inf or every entry -inf). One device sync."""
+    verifier_bad, drafter_bad = torch.stack([(status & 1).any(), (status & 2).any()]).tolist()
+    for name, bad in (("verifier_logits", verifier_bad), ("drafter_logits", drafter_bad)):
+        if bad:
+            raise ValueError(f"{name} contains NaN or +inf, or a row with every entry -inf: p or q would be undefined")
 
 
 __all__ = ["DivergenceLossFunction", "chunk_layout", "divergence_loss_triton", "divergence_triton",
-           "launch_divergence", "set_config", "LOG2E"]
+           "launch_divergence", "raise_on_bad_status", "set_config", "LOG2E"]

@@ -17,7 +17,7 @@ def check_tensor(value: object, name: str, ndim: int | None = None, float_dtype:
         raise ValueError(f"{name} must have {ndim} dimensions{' (' + shape_doc + ')' if shape_doc else ''}, "
                          f"got shape {tuple(value.shape)}")
     if float_dtype and value.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {value.dtype}")
+        raise TypeError(f"{name} must be float32, float16, bfloat16 or float64, got {value.dtype}")
     if integer_dtype and (value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool):
         raise TypeError(f"{name} must be an integer tensor (int64), got {value.dtype}")
     return value
@@ -37,6 +37,28 @@ def check_no_nan(tensor: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} contains NaN; refusing to turn NaN logits into tokens or metrics")
 
 
+def check_logit_rows(logits: torch.Tensor, name: str, used_rows: torch.Tensor | None = None) -> None:
+    """ValueError if a row of ``logits`` ([..., V]) that is used (``used_rows`` [...] bool; default every row) holds
+    NaN or +inf, or has no finite entry (all ``-inf``: no distribution). Rows that are not used are not read by the
+    kernels either. One max-reduction over V and one device sync."""
+    if logits.numel() == 0:
+        return
+    row_max = logits.amax(dim=-1)  # NaN propagates; +inf if any +inf; -inf only for an all -inf row
+    if used_rows is not None:
+        row_max = torch.where(used_rows, row_max, torch.zeros((), dtype=row_max.dtype, device=row_max.device))
+    has_nan, has_inf, has_empty = torch.stack([torch.isnan(row_max).any(), (row_max == float("inf")).any(),
+                                               (row_max == float("-inf")).any()]).tolist()
+    if has_nan:
+        raise ValueError(f"{name} contains NaN; refusing to turn NaN logits into tokens or metrics")
+    if has_inf:
+        raise ValueError(f"{name} contains +inf; logits must be finite or -inf (masked out)")
+    if has_empty:
+        raise ValueError(f"{name} has a row with every entry -inf where a distribution is needed")
+
+
+MIN_TEMPERATURE = 1e-6  # below this 1 / T times a logit can overflow float32; use 0 (greedy) instead
+
+
 def check_temperature(temperature: float, name: str = "temperature", allow_zero: bool = True) -> float:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"{name} must be a float, got {type(temperature).__name__}")
@@ -44,6 +66,9 @@ def check_temperature(temperature: float, name: str = "temperature", allow_zero:
     if not temperature == temperature or temperature in (float("inf"),) or temperature < 0 or (
             not allow_zero and temperature == 0):
         raise ValueError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {temperature}")
+    if 0 < temperature < MIN_TEMPERATURE:
+        allowed = f"0 (greedy) or >= {MIN_TEMPERATURE:g}" if allow_zero else f">= {MIN_TEMPERATURE:g}"
+        raise ValueError(f"{name} must be {allowed} (1 / T scales the logits in float32), got {temperature:g}")
     return temperature
 
 

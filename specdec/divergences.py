@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec._validation import check_same_device, check_temperature, check_tensor, use_triton
+from specdec._validation import check_logit_rows, check_same_device, check_temperature, check_tensor, use_triton
 from specdec.kernels.divergence_reference import cross_entropy_rows, divergence_reference
 
 __all__ = [
@@ -145,23 +145,6 @@ def _check_reduction(reduction: str) -> str:
     return reduction
 
 
-def _check_rows_valid(logits: torch.Tensor, name: str, mask: torch.Tensor | None) -> None:
-    """Every counted row needs a finite maximum: no NaN, no +inf, not all -inf."""
-    if logits.numel() == 0:
-        return
-    row_max = logits.amax(dim=-1)
-    if mask is not None:
-        row_max = row_max[mask]
-    _raise_on_bad_rows(torch.isnan(row_max).any(), torch.isinf(row_max).any(), name)
-
-
-def _raise_on_bad_rows(has_nan: torch.Tensor | bool, has_inf: torch.Tensor | bool, name: str) -> None:
-    if bool(has_nan):
-        raise ValueError(f"{name} contains NaN; refusing to turn NaN logits into metrics")
-    if bool(has_inf):
-        raise ValueError(f"{name} has a row with a +inf entry or with every entry -inf: p or q would be undefined")
-
-
 def divergence(
     verifier_logits: torch.Tensor,
     drafter_logits: torch.Tensor,
@@ -216,20 +199,16 @@ def divergence(
     triton_path = use_triton(backend, device) and temperature > 0 and num_rows > 0
 
     if triton_path:
-        from specdec.kernels.divergence import divergence_triton
+        from specdec.kernels.divergence import divergence_triton, raise_on_bad_status
 
         ce, kl, tv, alpha, status, sums = divergence_triton(
             verifier_logits, drafter_logits, temperature, mask=mask, task_ids=task_ids, num_tasks=num_tasks)
         if check_inputs:
-            verifier_bad, drafter_bad = torch.stack([(status & 1).any(), (status & 2).any()]).tolist()
-            for name, bad in (("verifier_logits", verifier_bad), ("drafter_logits", drafter_bad)):
-                if bad:
-                    raise ValueError(f"{name} contains NaN or +inf, or a row with every entry -inf: p or q would be "
-                                     "undefined")
+            raise_on_bad_status(status)
     else:
         if check_inputs:
             for name, logits in (("verifier_logits", verifier_logits), ("drafter_logits", drafter_logits)):
-                _check_rows_valid(logits, name, mask)
+                check_logit_rows(logits, name, mask)
         ce, kl, tv, alpha, sums = divergence_reference(
             verifier_logits, drafter_logits, temperature, mask=mask, task_ids=task_ids, num_tasks=num_tasks,
             compute_dtype=torch.float64 if verifier_logits.device.type == "cpu" else torch.float32)
@@ -265,6 +244,7 @@ def divergence_loss(
     backend: str = "auto",
     *,
     mask: torch.Tensor | None = None,
+    check_inputs: bool = True,
 ) -> torch.Tensor:
     """Weighted drafter cross-entropy ``L = sum_n w_n H(p_n, q_n)``; gradient only to ``drafter_logits``.
 
@@ -272,17 +252,20 @@ def divergence_loss(
     as a constant (detached). Since ``H = H(p) + KL(p || q)`` and H(p) is constant, this is also the KL gradient.
 
     Args:
-        drafter_logits: [N, V] fp32/bf16/fp16 drafter logits (requires_grad for training).
+        drafter_logits: [N, V] fp32/bf16/fp16 (or fp64) drafter logits (requires_grad for training).
         verifier_logits: [N, V] verifier logits, same dtype family, no gradient.
         weights: optional [N] float per-token weights ``w_n`` (e.g. s-CDF task weights), constants; default 1.
         temperature: T > 0 applied to both.
         reduction: "sum" = ``sum_n w_n H_n``; "mean" = that sum divided by the number of counted tokens.
         backend: "auto", "triton" or "torch" (plain autograd through the reference).
         mask: optional [N] bool, True = token counted (False = weight 0, zero gradient).
+        check_inputs: raise ValueError when a counted row holds NaN or +inf or is all ``-inf`` (p or q undefined);
+            costs a device sync (on the Triton path the kernel flags such rows, no extra pass over [N, V]).
 
     Returns:
-        0-dim float32 loss. On the Triton path the gradient is computed during the forward pass (one extra write of
-        [N, V] in the drafter's dtype, no [N, V] float32 intermediates) and scaled by the incoming gradient.
+        0-dim loss: float32, or float64 for float64 logits on the torch path. On the Triton path the gradient is
+        computed during the forward pass (one extra write of [N, V] in the drafter's dtype, no [N, V] float32
+        intermediates) and scaled by the incoming gradient.
     """
     num_rows, _ = _check_logit_pair(drafter_logits, verifier_logits, "drafter_logits", "verifier_logits")
     temperature = check_temperature(temperature, allow_zero=False)
@@ -294,7 +277,11 @@ def divergence_loss(
     if use_triton(backend, device) and num_rows > 0:
         from specdec.kernels.divergence import divergence_loss_triton
 
-        return divergence_loss_triton(drafter_logits, verifier_logits, weights, mask, temperature, reduction)
+        return divergence_loss_triton(drafter_logits, verifier_logits, weights, mask, temperature, reduction,
+                                      check_inputs)
+    if check_inputs:
+        check_logit_rows(verifier_logits, "verifier_logits", mask)
+        check_logit_rows(drafter_logits, "drafter_logits", mask)
     ce = cross_entropy_rows(verifier_logits, drafter_logits, temperature, _loss_dtype(drafter_logits))
     return _reduce_weighted(ce, weights, mask, reduction)
 

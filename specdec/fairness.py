@@ -74,12 +74,13 @@ def _as_task_data(name: str, value: object) -> TaskData:
 
 
 def encode_items(items: Sequence[str] | Sequence[Sequence[int]], tokenizer: Any, name: str,
-                 add_special_tokens: bool = False) -> tuple[list[list[int]], list[int | None]]:
+                 add_special_tokens: bool = False,
+                 vocab: int | None = None) -> tuple[list[list[int]], list[int | None]]:
     """Token ids and character counts of a list of texts or token-id lists.
 
     Strings are encoded with ``tokenizer.encode(text, add_special_tokens=...)``; token-id lists pass through (their
     character count comes from ``tokenizer.decode`` when a tokenizer is given, else None).
-    Returns ``(token_lists, char_counts)``.
+    Returns ``(token_lists, char_counts)``. With ``vocab``, ids outside ``[0, vocab)`` raise ValueError.
     """
     token_lists: list[list[int]] = []
     chars: list[int | None] = []
@@ -97,6 +98,9 @@ def encode_items(items: Sequence[str] | Sequence[Sequence[int]], tokenizer: Any,
             chars.append(len(tokenizer.decode(ids)) if tokenizer is not None else None)
         else:
             raise TypeError(f"{name}[{index}] must be a string or a list of int token ids, got {type(item).__name__}")
+        if vocab is not None and ids and not 0 <= min(ids) <= max(ids) < vocab:
+            raise ValueError(f"{name}[{index}] has token ids outside [0, {vocab}) (the models' shared vocabulary): "
+                             f"min {min(ids)}, max {max(ids)}")
         token_lists.append(ids)
     return token_lists, chars
 
@@ -252,16 +256,28 @@ def task_divergences(verifier: torch.nn.Module, drafter: torch.nn.Module,
 
 # ------------------------------------------------------------------------------------------------- aggregates
 def unfairness(values: Sequence[float] | torch.Tensor | Mapping[str, float]) -> float:
-    """U = (1/m) sum_i (v_i - vbar)^2: population variance of per-task values (uniform task weights)."""
+    """U = (1/m) sum_i (v_i - vbar)^2: population variance of per-task values (uniform task weights).
+
+    ``values``: one number per task (a 1-D sequence or tensor, or a mapping task -> value). NaN raises ValueError; an
+    infinite value (e.g. an infinite cross-entropy) gives ``inf``."""
     if isinstance(values, Mapping):
         values = list(values.values())
     if isinstance(values, torch.Tensor):
+        if values.dim() > 1:
+            raise ValueError(f"values must be 1-D (one value per task), got shape {tuple(values.shape)}")
         values = values.detach().double().flatten().tolist()
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise TypeError(f"values must be a sequence of per-task numbers, got {type(values).__name__}")
-    values = [float(v) for v in values]
+    try:
+        values = [float(v) for v in values]
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"values must hold numbers (one per task): {exc}") from None
     if not values:
         raise ValueError("values must contain at least one per-task value")
+    if any(math.isnan(v) for v in values):
+        raise ValueError(f"values must not contain NaN, got {values}")
+    if any(math.isinf(v) for v in values):
+        return math.inf  # e.g. a task with infinite cross-entropy (p > 0 where q = 0): unbounded dispersion
     mean = sum(values) / len(values)
     return sum((v - mean) ** 2 for v in values) / len(values)
 
@@ -584,11 +600,19 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
     if tokenizer is not None and not (hasattr(tokenizer, "encode") and hasattr(tokenizer, "decode")):
         raise TypeError("tokenizer must have encode(text, add_special_tokens=False) and decode(ids) methods")
     data = {str(name): _as_task_data(str(name), value) for name, value in tasks.items()}
+    id_limit = min(model_vocab_size(verifier, "verifier"), model_vocab_size(drafter, "drafter"))
+    if vocab_size is not None:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 1 <= vocab_size <= id_limit:
+            raise ValueError(f"vocab_size must be None or an int in [1, {id_limit}] (the models' output sizes), "
+                             f"got {vocab_size!r}")
+        id_limit = vocab_size
     if pad_token_id is None:
         pad_token_id = getattr(tokenizer, "pad_token_id", None)
         if pad_token_id is None:
             eos = eos_token_id if isinstance(eos_token_id, int) else (eos_token_id[0] if eos_token_id else None)
             pad_token_id = eos if eos is not None else 0
+    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or not 0 <= pad_token_id < id_limit:
+        raise ValueError(f"pad_token_id must be an int in [0, {id_limit}), got {pad_token_id!r}")
 
     measured = cost_ratio is None
     if measured:
@@ -603,7 +627,7 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
         row = TaskFairness(name=name)
         if task.texts is not None:
             texts = list(task.texts)[:max_examples]
-            tokens, chars = encode_items(texts, tokenizer, f"tasks[{name!r}].texts", add_special_tokens)
+            tokens, chars = encode_items(texts, tokenizer, f"tasks[{name!r}].texts", add_special_tokens, id_limit)
             div = task_divergences(verifier, drafter, {name: tokens}, batch_size=batch_size, temperature=temperature,
                                    backend=backend, max_length=max_length, pad_token_id=pad_token_id,
                                    vocab_size=vocab_size)[name]

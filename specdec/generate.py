@@ -70,7 +70,8 @@ class SpecDecodeStats:
 
     @property
     def total_acceptance_per_position(self) -> torch.Tensor:
-        """[K] float: acceptance at draft position j pooled over rows."""
+        """[K] float: acceptance at draft position j pooled over rows (0 where no row ever tested position j, so
+        that summaries stay JSON numbers; :attr:`acceptance_per_position` gives NaN there)."""
         return self.accepted_per_position.sum(0).double() / self.attempted_per_position.sum(0).clamp(min=1).double()
 
     @property
@@ -148,6 +149,8 @@ def _check_int(value: object, name: str, minimum: int) -> int:
 def _eos_ids(eos_token_id: int | Sequence[int] | None, vocab: int) -> list[int]:
     if eos_token_id is None:
         return []
+    if isinstance(eos_token_id, torch.Tensor):  # e.g. a tensor from a generation config
+        eos_token_id = eos_token_id.reshape(-1).tolist()
     ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     for token in ids:
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
@@ -215,6 +218,9 @@ def generate(
         raise ValueError("attention_mask must contain only 0 and 1")
     if bool((attention_mask.sum(dim=1) == 0).any()):
         raise ValueError("input_ids has an empty prompt (a row whose attention_mask is all zeros)")
+    if bool((attention_mask[:, -1] == 0).any()):
+        raise ValueError("input_ids must be left-padded: attention_mask[:, -1] is 0 in some row (tokenize with "
+                         "padding_side='left'); generation continues from the last column")
     max_new_tokens = _check_int(max_new_tokens, "max_new_tokens", 1)
     num_drafts = _check_int(num_draft_tokens, "num_draft_tokens", 1)
     temperature = check_temperature(temperature)
@@ -236,6 +242,11 @@ def generate(
     if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
         raise ValueError(f"input_ids must lie in [0, vocab_size={vocab})")
     eos_ids = _eos_ids(eos_token_id, vocab)
+    if pad_token_id is not None and (isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int)
+                                     or not 0 <= pad_token_id < vocab):
+        raise ValueError(f"pad_token_id must be None or an int in [0, vocab_size={vocab}), got {pad_token_id!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
+        raise ValueError(f"seed must be None or an int in [0, 2**64), got {seed!r}")
     pad = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
     greedy = temperature == 0
 

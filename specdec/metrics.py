@@ -23,10 +23,21 @@ def _check_num_draft_tokens(num_draft_tokens: int) -> int:
     return num_draft_tokens
 
 
-def _check_alpha(alpha: TensorOrFloat) -> TensorOrFloat:
-    low, high = (float(alpha.min()), float(alpha.max())) if isinstance(alpha, torch.Tensor) else (alpha, alpha)
-    if not (0.0 <= low <= high <= 1.0):
-        raise ValueError(f"alpha must lie in [0, 1], got values in [{low}, {high}]")
+def _check_alpha(alpha: TensorOrFloat, name: str = "alpha") -> TensorOrFloat:
+    if isinstance(alpha, torch.Tensor):
+        if not alpha.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a float tensor or a float, got {alpha.dtype}")
+        if alpha.numel() == 0:
+            return alpha
+        low, high = float(alpha.min()), float(alpha.max())
+        has_nan = bool(torch.isnan(alpha).any())
+    elif isinstance(alpha, (int, float)) and not isinstance(alpha, bool):
+        low = high = float(alpha)
+        has_nan = alpha != alpha
+    else:
+        raise TypeError(f"{name} must be a float tensor or a float, got {type(alpha).__name__}")
+    if has_nan or not (0.0 <= low <= high <= 1.0):
+        raise ValueError(f"{name} must lie in [0, 1], got values in [{low}, {high}]{' and NaN' if has_nan else ''}")
     return alpha
 
 
@@ -61,8 +72,11 @@ def accepted_count_distribution(position_alpha: torch.Tensor) -> torch.Tensor:
 
     position_alpha: [..., K] acceptance probabilities. Returns [..., K+1] probabilities of n = 0..K.
     """
+    if not isinstance(position_alpha, torch.Tensor):
+        raise TypeError(f"position_alpha must be a float tensor [..., K], got {type(position_alpha).__name__}")
     if position_alpha.dim() < 1 or position_alpha.shape[-1] < 1:
         raise ValueError("position_alpha must have shape [..., K] with K >= 1")
+    _check_alpha(position_alpha, "position_alpha")
     ones = torch.ones_like(position_alpha[..., :1])
     survive = torch.cumprod(torch.cat([ones, position_alpha], dim=-1), dim=-1)  # P(n >= j), j = 0..K
     reject_next = torch.cat([1 - position_alpha, ones], dim=-1)

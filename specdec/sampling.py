@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec._validation import (
-    check_no_nan,
+    check_logit_rows,
     check_same_device,
     check_temperature,
     check_tensor,
@@ -25,7 +25,8 @@ class RejectionSampleOutput:
             token, then ``-1`` padding.
         num_accepted: [B] int64, drafts accepted before the first rejection (0..K).
         draft_logprob: [B, K] float32 ``log p(draft)`` when ``compute_scores``, else None.
-        alpha: [B, K] float32 acceptance probability ``sum_x min(p, q)`` per position when ``compute_scores``.
+        alpha: [B, K] float32 acceptance probability ``sum_x min(p, q)`` per position when ``compute_scores``
+            (at temperature 1 for greedy rows and for ``temperature == 0``, where p and q are not sampled from).
     """
 
     tokens: torch.Tensor
@@ -74,7 +75,8 @@ def rejection_sample(
         num_draft_tokens: optional [B] int64 per-row number of drafts (<= K).
         greedy_mask: optional [B] bool, rows decoded greedily although T > 0.
         compute_scores: also return ``log p(draft)`` and ``alpha`` per position.
-        check_nan: raise ValueError on NaN logits (costs a device sync).
+        check_nan: raise ValueError on NaN or +inf logits, or on a row with no finite logit (all -inf) at a position
+            the request can reach (costs one max-reduction and a device sync).
 
     Returns:
         :class:`RejectionSampleOutput` with ``tokens`` [B, K+1] and ``num_accepted`` [B].
@@ -117,11 +119,20 @@ def rejection_sample(
         raise ValueError(f"num_draft_tokens must lie in [0, K={num_drafts}]")
     if greedy_mask is not None:
         check_tensor(greedy_mask, "greedy_mask", 1, shape_doc="[B]")
-        if greedy_mask.dtype != torch.bool or greedy_mask.shape[0] != batch:
-            raise ValueError(f"greedy_mask must be a bool tensor of shape [B] = [{batch}]")
+        if greedy_mask.dtype != torch.bool:
+            raise TypeError(f"greedy_mask must be a bool tensor of shape [B], got {greedy_mask.dtype}")
+        if greedy_mask.shape[0] != batch:
+            raise ValueError(f"greedy_mask must have shape [B] = [{batch}], got {tuple(greedy_mask.shape)}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     if check_nan:
-        check_no_nan(target_logits, "target_logits")
-        check_no_nan(draft_logits, "draft_logits")
+        # rows a request can reach: target positions j <= n_b, draft positions j < n_b (n_b = its number of drafts)
+        n_b = (draft_tokens >= 0).to(torch.int64).cumprod(-1).sum(-1)
+        if num_draft_tokens is not None:
+            n_b = torch.minimum(n_b, num_draft_tokens.to(torch.int64))
+        positions = torch.arange(num_positions, device=device)
+        check_logit_rows(target_logits, "target_logits", positions[None, :] <= n_b[:, None])
+        check_logit_rows(draft_logits, "draft_logits", positions[None, :num_drafts] < n_b[:, None])
     if seeds is None:
         seeds = _random_seeds(batch, generator, device)
     if offsets is None:
@@ -170,6 +181,13 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
         top_p: keep the smallest set of largest-probability tokens whose mass reaches ``top_p`` (1.0 = no limit).
     Returns a new float32 tensor of the same shape. The same function is applied to the verifier and the drafter.
     """
+    check_tensor(logits, "logits", float_dtype=True, shape_doc="[..., V]")
+    if logits.dim() < 1:
+        raise ValueError("logits must have shape [..., V] with at least one dimension, got a 0-dim tensor")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = no limit), got {top_k!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (1 = no limit), got {top_p!r}")
     out = logits.float()
     vocab = out.shape[-1]
     if 0 < top_k < vocab:

@@ -12,6 +12,8 @@ import specdec.divergences as sd
 from specdec.kernels.divergence_reference import cross_entropy_rows, divergence_reference
 
 NEG_INF = float("-inf")
+NAN = float("nan")
+INF = float("inf")
 
 
 def _logits(n: int, v: int, seed: int, scale: float = 2.0, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -197,6 +199,7 @@ GOOD_D = torch.ones(4, 7)
         ({"drafter_logits": torch.full((4, 7), float("inf"))}, ValueError, "drafter_logits"),
         ({"drafter_logits": torch.full((4, 7), NEG_INF)}, ValueError, "drafter_logits"),
         ({"verifier_logits": torch.zeros(4, 7, device="meta")}, ValueError, "device"),
+        ({"temperature": 1e-40}, ValueError, "temperature"),
     ],
 )
 def test_divergence_rejects_bad_arguments(kwargs: dict, error: type, needle: str) -> None:
@@ -211,6 +214,10 @@ def test_masked_bad_rows_are_not_checked() -> None:
     mask = torch.tensor([True, False, True, True])
     out = sd.divergence(GOOD_V, d, mask=mask)
     assert torch.isfinite(out.cross_entropy).all()
+    loss = sd.divergence_loss(d, GOOD_V, mask=mask)
+    assert torch.isfinite(loss)
+    with pytest.raises(ValueError, match="drafter_logits contains NaN"):
+        sd.divergence_loss(d, GOOD_V)
 
 
 @pytest.mark.parametrize(
@@ -225,6 +232,13 @@ def test_masked_bad_rows_are_not_checked() -> None:
         ({"verifier_logits": torch.zeros(5, 7)}, ValueError, "verifier_logits"),
         ({"drafter_logits": "x"}, TypeError, "drafter_logits"),
         ({"backend": "jax"}, ValueError, "backend"),
+        ({"temperature": 1e-40}, ValueError, "temperature"),
+        ({"verifier_logits": GOOD_V.clone().index_put_((torch.tensor(1), torch.tensor(3)), torch.tensor(NAN))},
+         ValueError, "verifier_logits contains NaN"),
+        ({"verifier_logits": GOOD_V.clone().index_put_((torch.tensor(2), torch.tensor(0)), torch.tensor(INF))},
+         ValueError, "verifier_logits contains \\+inf"),
+        ({"drafter_logits": GOOD_D.clone().index_fill_(0, torch.tensor(0), NEG_INF)}, ValueError,
+         "drafter_logits has a row with every entry -inf"),
     ],
 )
 def test_divergence_loss_rejects_bad_arguments(kwargs: dict, error: type, needle: str) -> None:

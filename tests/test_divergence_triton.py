@@ -373,3 +373,35 @@ def test_large_vocabulary_spin_matches_two_launches(chunk_tiles: int) -> None:
         torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(results[1][1].float(), results[0][1].float(), rtol=0, atol=1e-9)
     torch.testing.assert_close(a.per_task.tv_sum, ref[4][2], rtol=1e-5, atol=1e-4)
+
+
+def test_strided_task_ids_mask_and_weights() -> None:
+    """Side inputs that are views with a stride (a column of a [N, 2] tensor) give the same sums and loss as their
+    contiguous copies: the kernel indexes them with unit stride."""
+    n, vocab, num_tasks = 12, 50, 3
+    v, d = _logits(n, vocab, 41), _logits(n, vocab, 42)
+    g = torch.Generator().manual_seed(43)
+    task_pairs = torch.randint(0, num_tasks, (n, 2), generator=g).to(DEVICE)
+    mask_pairs = (torch.rand(n, 2, generator=g) > 0.3).to(DEVICE)
+    weight_pairs = torch.rand(n, 2, generator=g).to(DEVICE)
+    task_ids, mask, weights = task_pairs[:, 0], mask_pairs[:, 0], weight_pairs[:, 0]
+    assert task_ids.stride(0) == 2
+    got = sd.divergence(v, d, task_ids=task_ids, num_tasks=num_tasks, mask=mask, backend="triton").per_task
+    want = sd.divergence(v, d, task_ids=task_ids.contiguous(), num_tasks=num_tasks, mask=mask.contiguous(),
+                         backend="triton").per_task
+    ref = sd.divergence(v, d, task_ids=task_ids, num_tasks=num_tasks, mask=mask, backend="torch").per_task
+    assert torch.equal(got.count, want.count) and torch.equal(got.count, ref.count)
+    torch.testing.assert_close(got.cross_entropy_sum, ref.cross_entropy_sum, rtol=1e-5, atol=1e-5)
+    loss = sd.divergence_loss(d, v, weights, mask=mask, backend="triton")
+    loss_ref = sd.divergence_loss(d.double(), v.double(), weights.double(), mask=mask, backend="torch")
+    torch.testing.assert_close(loss.double(), loss_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_loss_refuses_bad_rows_on_the_triton_path() -> None:
+    v, d = _logits(6, 40, 44), _logits(6, 40, 45)
+    v[2, 3] = float("nan")
+    with pytest.raises(ValueError, match="verifier_logits"):
+        sd.divergence_loss(d, v, backend="triton")
+    mask = torch.ones(6, dtype=torch.bool, device=DEVICE)
+    mask[2] = False
+    assert torch.isfinite(sd.divergence_loss(d, v, mask=mask, backend="triton"))  # the bad row is not counted

@@ -32,6 +32,11 @@ def prompts():
         ({"top_k": -1}, "top_k"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"eos_token_id": VOCAB}, "eos_token_id"),
+        ({"temperature": 1e-9}, "temperature"),
+        ({"seed": 2**70}, "seed"),
+        ({"seed": "x"}, "seed"),
+        ({"pad_token_id": VOCAB}, "pad_token_id"),
+        ({"pad_token_id": 1.5}, "pad_token_id"),
         ({"backend": "cuda"}, "backend"),
     ],
 )
@@ -85,7 +90,10 @@ def test_rejection_sample_rejects_bad_inputs():
         ((target, draft, drafts), {"backend": "numpy"}, ValueError, "backend"),
         ((target, draft, drafts), {"seeds": torch.zeros(3, dtype=torch.int64)}, ValueError, "seeds"),
         ((target, draft, drafts), {"num_draft_tokens": torch.tensor([1, 4])}, ValueError, "num_draft_tokens"),
-        ((target, draft, drafts), {"greedy_mask": torch.tensor([1, 0])}, ValueError, "greedy_mask"),
+        ((target, draft, drafts), {"greedy_mask": torch.tensor([1, 0])}, TypeError, "greedy_mask"),
+        ((target, draft, drafts), {"greedy_mask": torch.tensor([True])}, ValueError, "greedy_mask"),
+        ((target, draft, drafts), {"generator": 123}, TypeError, "generator"),
+        ((target, draft, drafts), {"temperature": 1e-38}, ValueError, "temperature"),
         ((target, draft.to("meta"), drafts), {"check_nan": False}, ValueError, "device"),
         ((torch.zeros(1, 1, 1).expand(2, 4, 2**30), torch.zeros(1, 1, 1).expand(2, 3, 2**30), drafts), {},
          ValueError, "2\\*\\*30"),  # (expanded views: no memory) tile stream indices start at 2**30
@@ -103,6 +111,44 @@ def test_rejection_sample_refuses_nan_logits(which):
         specdec.rejection_sample(target, draft, drafts, temperature=1.0)
 
 
+@pytest.mark.parametrize("which", ["target_logits", "draft_logits"])
+def test_rejection_sample_refuses_inf_and_empty_rows(which):
+    """+inf anywhere in a used row, or a used row with no finite logit, is refused (the backends would disagree);
+    rows past a request's last draft are not used and not checked."""
+    target, draft, drafts = _sampler_inputs()
+    bad = target if which == "target_logits" else draft
+    bad[0, 1, 4] = float("inf")
+    with pytest.raises(ValueError, match=f"{which} contains \\+inf"):
+        specdec.rejection_sample(target, draft, drafts)
+    target, draft, drafts = _sampler_inputs()
+    bad = target if which == "target_logits" else draft
+    bad[1, 1] = float("-inf")
+    with pytest.raises(ValueError, match=f"{which} has a row with every entry -inf"):
+        specdec.rejection_sample(target, draft, drafts)
+    drafts[1, 1:] = -1  # row 1 now ends after position 0 (target) / has one draft: positions >= 2 / >= 1 unused
+    if which == "target_logits":
+        with pytest.raises(ValueError, match="every entry -inf"):  # target position 1 is still reachable
+            specdec.rejection_sample(target, draft, drafts)
+        drafts[1, 0] = -1  # no drafts: only target position 0 is used
+    out = specdec.rejection_sample(target, draft, drafts, temperature=1.0, seeds=torch.tensor([1, 2]))
+    assert bool((out.tokens >= -1).all()) and bool((out.tokens < target.shape[-1]).all())
+
+
+def test_generate_refuses_right_padded_prompts(pair, prompts):
+    verifier, drafter = pair
+    input_ids, attention_mask = prompts
+    with pytest.raises(ValueError, match="left-padded"):
+        specdec.generate(verifier, drafter, input_ids.flip(1), attention_mask.flip(1), max_new_tokens=2)
+
+
+def test_generate_accepts_eos_ids_as_a_tensor(pair, prompts):
+    verifier, drafter = pair
+    eos = 7
+    a = specdec.generate(verifier, drafter, *prompts, max_new_tokens=6, eos_token_id=eos)
+    b = specdec.generate(verifier, drafter, *prompts, max_new_tokens=6, eos_token_id=torch.tensor(eos))
+    assert torch.equal(a.sequences, b.sequences)
+
+
 def test_backend_triton_on_cpu_without_interpreter_is_refused(monkeypatch):
     target, draft, drafts = _sampler_inputs()
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -118,3 +164,22 @@ def test_generate_refuses_nan_logits(pair, prompts):
     for temperature in (0.0, 1.0):
         with pytest.raises(ValueError, match="NaN"):
             specdec.generate(verifier, broken, *prompts, max_new_tokens=4, temperature=temperature)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        ({"top_k": -1}, ValueError, "top_k"),
+        ({"top_k": 2.5}, ValueError, "top_k"),
+        ({"top_p": 0.0}, ValueError, "top_p"),
+        ({"top_p": float("nan")}, ValueError, "top_p"),
+        ({"top_p": 2.0}, ValueError, "top_p"),
+        ({"logits": [1.0, 2.0]}, TypeError, "logits"),
+        ({"logits": torch.tensor(1.0)}, ValueError, "logits"),
+        ({"logits": torch.ones(3, dtype=torch.int64)}, TypeError, "logits"),
+    ],
+)
+def test_filter_logits_rejects_bad_arguments(kwargs, error, match):
+    args = {"logits": torch.randn(2, 5)} | kwargs
+    with pytest.raises(error, match=match):
+        specdec.filter_logits(**args)

@@ -183,6 +183,13 @@ def test_unfairness_and_spearman():
     assert unfairness([1.0, 3.0]) == 1.0
     assert unfairness({"a": 2.0}) == 0.0
     assert unfairness(torch.tensor([0.0, 1.0, 2.0])) == pytest.approx(2 / 3)
+    assert unfairness([1.0, float("inf")]) == float("inf")
+    with pytest.raises(ValueError, match="NaN"):
+        unfairness([1.0, float("nan")])
+    with pytest.raises(ValueError, match="1-D"):
+        unfairness(torch.zeros(2, 2))
+    with pytest.raises(TypeError, match="numbers"):
+        unfairness(["a", "b"])
     assert spearman([1, 2, 3], [10, 30, 20]) == pytest.approx(0.5)
     assert spearman([1, 2, 2], [3, 2, 1]) == pytest.approx(-math.sqrt(3) / 2)
     assert spearman([1], [2]) is None and spearman([1, 1], [1, 2]) is None
@@ -210,6 +217,13 @@ def test_unfairness_and_spearman():
     ({"a": [[3, 4, 5]]}, {"backend": "cuda"}, ValueError, "backend"),
     ({"a": [[3, 4, 5]]}, {"tokenizer": object()}, TypeError, "tokenizer"),
     ({"a": [[3]]}, {}, ValueError, "at least 2 tokens"),
+    ({"a": [[3, VOCAB, 5]]}, {}, ValueError, r"tasks\['a'\].texts\[0\] has token ids outside"),
+    ({"a": [[3, -1, 5]]}, {}, ValueError, "token ids outside"),
+    ({"a": [[3, 40, 5]]}, {"vocab_size": 32}, ValueError, "token ids outside \\[0, 32\\)"),
+    ({"a": [[3, 4, 5]]}, {"vocab_size": 32.0}, ValueError, "vocab_size"),
+    ({"a": [[3, 4, 5]]}, {"vocab_size": 0}, ValueError, "vocab_size"),
+    ({"a": [[3, 4, 5]]}, {"vocab_size": VOCAB + 1}, ValueError, "vocab_size"),
+    ({"a": [[3, 4, 5], [3, 4]]}, {"pad_token_id": -1}, ValueError, "pad_token_id"),
 ])
 def test_bad_inputs(models, tasks, kwargs, error, needle):
     verifier, drafter = models

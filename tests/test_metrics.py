@@ -54,3 +54,18 @@ def test_bounds_hold_and_are_ordered():
     assert math.isclose(from_tv, float(metrics.speedup(0.7, 4, 0.05)))
     assert math.isclose(from_kl, float(metrics.speedup(1 - math.sqrt(0.2), 4, 0.05)))
     assert metrics.speedup_lower_bounds(0.9, 5.0, 4, 0.05)[1] == float(metrics.speedup(0.0, 4, 0.05))
+
+
+def test_bad_acceptance_probabilities_are_refused():
+    with pytest.raises(ValueError, match="position_alpha"):
+        metrics.accepted_count_distribution(torch.tensor([1.5, 0.5]))
+    with pytest.raises(ValueError, match="position_alpha"):
+        metrics.accepted_count_distribution(torch.tensor([float("nan"), 0.5]))
+    with pytest.raises(TypeError, match="position_alpha"):
+        metrics.accepted_count_distribution([0.5, 0.5])
+    with pytest.raises(TypeError, match="alpha"):
+        metrics.expected_tokens_per_call("0.5", 4)
+    with pytest.raises(ValueError, match="alpha"):
+        metrics.expected_tokens_per_call(float("nan"), 4)
+    empty = metrics.expected_tokens_per_call(torch.zeros(0), 4)
+    assert empty.shape == (0,)
