@@ -61,9 +61,10 @@ Two launch strategies compute the same function:
 
 Safety: all row offsets are int64; lanes past ``V`` load as ``-inf``; draft ids are clamped to ``[0, V)`` before a
 gather; ``-1`` drafts end a row; ``q(draft) = 0`` is always rejected. **NaN / all ``-inf`` rows:** the public
-wrapper raises on NaN (``check_nan=True``); in the kernel NaN never wins a comparison, and when a race or arg-max
-has no finite candidate (an all ``-inf`` or NaN row) the kernel writes ``-1`` at the stop position instead of an
-id, so it never emits an id outside ``[0, V)`` (the reference would emit id 0 for such rows).
+wrapper raises on NaN, +inf and on all ``-inf`` rows a request can reach (``check_nan=True``); in the kernel NaN
+never wins a comparison, and when a race or arg-max has no finite candidate (an all ``-inf`` or NaN row) the
+kernel writes ``-1`` at the stop position instead of an id, so it never emits an id outside ``[0, V)`` (the
+reference would emit id 0 for such rows).
 """
 
 from __future__ import annotations
