@@ -13,7 +13,7 @@ setup(
     packages=["specdec", "specdec.kernels"],
     package_dir={"specdec": "specdec", "specdec.kernels": "kernels"},
     install_requires=[
-        "torch>=2.4,<2.15",
+        "torch>=2.4",
         "triton>=3.0",
         "transformers>=4.56,<6",
         "numpy>=1.24",

@@ -308,9 +308,10 @@ def fused_linear_divergence_loss(
         chunk_size: tokens per chunk on the Triton path (default: about 2**27 logits per chunk).
 
     Returns:
-        0-dim float32 loss with gradients for ``drafter_hidden`` and ``lm_head_weight``. The Triton path computes
-        logits chunk by chunk, runs the divergence kernel in place on each chunk and accumulates the weight
-        gradient in float32; the torch path is plain autograd (materialises [N, V]).
+        0-dim loss (float32; float64 for float64 inputs on the torch path) with gradients for ``drafter_hidden``
+        and ``lm_head_weight``. The Triton path computes logits chunk by chunk, runs the divergence kernel in place
+        on each chunk and accumulates the weight gradient in float32; the torch path is plain autograd
+        (materialises [N, V]).
     """
     check_tensor(drafter_hidden, "drafter_hidden", 2, float_dtype=True, shape_doc="[N, H]")
     check_tensor(lm_head_weight, "lm_head_weight", 2, float_dtype=True, shape_doc="[V, H]")
