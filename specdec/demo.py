@@ -37,6 +37,8 @@ from specdec import data
 CACHE_FORMAT = "specdec-demo-pair-v2"
 DEFAULT_OUTPUT_DIR = "specdec-demo-report"
 PAIR_META_NAME = "pair.json"
+PAIR_META_KEYS = ("format", "cache_key", "config", "verifier_parameters", "drafter_parameters",
+                  "verifier_final_loss", "drafter_final_loss", "training_seconds")
 
 
 class DemoError(ValueError):
@@ -291,6 +293,9 @@ def load_pair(path: str | os.PathLike) -> DemoPair:
 
     path = Path(path)
     meta = json.loads((path / PAIR_META_NAME).read_text(encoding="utf-8"))
+    missing = [key for key in PAIR_META_KEYS if key not in meta] if isinstance(meta, dict) else list(PAIR_META_KEYS)
+    if missing:
+        raise ValueError(f"{path / PAIR_META_NAME} lacks {missing}: not a complete demo pair")
     tokenizer = AutoTokenizer.from_pretrained(path / "verifier", local_files_only=True)
     verifier = AutoModelForCausalLM.from_pretrained(path / "verifier", local_files_only=True).eval()
     drafter = AutoModelForCausalLM.from_pretrained(path / "drafter", local_files_only=True).eval()
@@ -310,7 +315,7 @@ def get_demo_pair(cache_dir: str | os.PathLike | None = None, *, config: PairCon
     if (pair_dir / PAIR_META_NAME).is_file() and not retrain:
         try:
             return load_pair(pair_dir)
-        except (OSError, ValueError, KeyError) as error:  # a damaged entry is rebuilt, not trusted
+        except Exception as error:  # noqa: BLE001 - any failure to read our own cache: rebuild, never trust it
             print(f"specdec demo: cached pair at {pair_dir} is unreadable ({error}); retraining", file=sys.stderr)
 
     tokenizer = data.build_char_tokenizer()

@@ -356,6 +356,15 @@ def finetune_drafter(
     check_model_pair(verifier, drafter)
     if verifier is drafter:
         raise ValueError("drafter and verifier must be different modules (the verifier is frozen)")
+    verifier_storage = {p.untyped_storage().data_ptr() for p in verifier.parameters()}
+    shared = [name for name, p in drafter.named_parameters() if p.untyped_storage().data_ptr() in verifier_storage]
+    if shared:
+        raise ValueError(f"drafter shares parameters with the verifier ({', '.join(shared[:4])}"
+                         f"{', ...' if len(shared) > 4 else ''}): finetuning would modify the frozen verifier; give "
+                         "the drafter its own copies")
+    trainable = [p for p in drafter.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError("drafter has no parameter with requires_grad=True: nothing to finetune")
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if weight_basis not in WEIGHT_BASES:
@@ -376,8 +385,16 @@ def finetune_drafter(
     device = model_device(drafter)
     if model_device(verifier) != device:
         raise ValueError(f"verifier is on {model_device(verifier)} but drafter is on {device}: use one device")
+    model_vocab = min(model_vocab_size(verifier), model_vocab_size(drafter))
     if vocab_size is None:
-        vocab_size = min(model_vocab_size(verifier), model_vocab_size(drafter))
+        vocab_size = model_vocab
+    elif isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 1 <= vocab_size <= model_vocab:
+        raise ValueError(f"vocab_size must be None or an int in [1, {model_vocab}] (the models' output sizes), "
+                         f"got {vocab_size!r}")
+    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or not 0 <= pad_token_id < vocab_size:
+        raise ValueError(f"pad_token_id must be an int in [0, vocab_size={vocab_size}), got {pad_token_id!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
     autocast = device.type == "cuda" if autocast is None else bool(autocast)
 
     corpus_map = _tokenize_tasks(tasks, tokenizer, "tasks", add_special_tokens)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -69,14 +70,24 @@ def test_second_run_reuses_the_cached_pair(first_run, monkeypatch):
     assert again.before.summary["U_ce"] == pytest.approx(result.before.summary["U_ce"], rel=1e-6)
 
 
-def test_damaged_cache_entry_is_retrained(first_run, tmp_path):
+@pytest.mark.parametrize("damage", ["missing_drafter", "truncated_weights", "incomplete_meta"])
+def test_damaged_cache_entry_is_retrained(first_run, tmp_path, damage):
     _, result = first_run
     cache = tmp_path / "cache"
     copied = cache / result.pair_dir.name
     shutil.copytree(result.pair_dir, copied)
-    shutil.rmtree(copied / "drafter")
+    if damage == "missing_drafter":
+        shutil.rmtree(copied / "drafter")
+    elif damage == "truncated_weights":
+        weights = copied / "drafter" / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+    else:
+        meta = json.loads((copied / demo.PAIR_META_NAME).read_text(encoding="utf-8"))
+        del meta["verifier_parameters"]
+        (copied / demo.PAIR_META_NAME).write_text(json.dumps(meta), encoding="utf-8")
     pair = demo.get_demo_pair(cache, config=demo.default_pair_config(quick=True), progress=False)
-    assert not pair.cache_hit and (copied / "drafter").is_dir()
+    assert not pair.cache_hit and (copied / "drafter" / "model.safetensors").stat().st_size > 1000
+    assert demo.load_pair(copied).cache_hit  # the rebuilt entry reads back
 
 
 def test_source_tree_is_protected(tmp_path, monkeypatch):

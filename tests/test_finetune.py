@@ -236,6 +236,10 @@ def test_ddp_two_processes_match_one_process(tmp_path):
     (dict(tasks={"a": ["some text"]}), ValueError, "tokenizer"),
     (dict(tasks={"a": [[3]]}), ValueError, "at least 2 tokens"),
     (dict(tasks={"a": [[3, 99]]}), ValueError, "vocab_size"),
+    (dict(vocab_size=VOCAB + 1), ValueError, "vocab_size"),
+    (dict(pad_token_id=-1), ValueError, "pad_token_id"),
+    (dict(pad_token_id=VOCAB), ValueError, "pad_token_id"),
+    (dict(seed=1.5), ValueError, "seed"),
 ])
 def test_bad_inputs(kwargs, error, needle):
     verifier, drafter = make_pair()
@@ -246,3 +250,17 @@ def test_bad_inputs(kwargs, error, needle):
         finetune_drafter(verifier, verifier, make_tasks(), progress=False)
     with pytest.raises(TypeError, match="drafter"):
         finetune_drafter(None, verifier, make_tasks(), progress=False)
+
+
+def test_drafter_sharing_parameters_with_the_verifier_is_refused():
+    """Shared modules would be updated by the drafter's optimizer: the frozen verifier would change."""
+    verifier = tiny_llama(16, 2, seed=0)
+    drafter = tiny_llama(16, 1, seed=1)
+    drafter.lm_head = verifier.lm_head
+    before = copy.deepcopy(verifier.state_dict())
+    with pytest.raises(ValueError, match="shares parameters with the verifier.*lm_head"):
+        finetune_drafter(drafter, verifier, make_tasks(), **SMALL)
+    assert all(torch.equal(before[k], v) for k, v in verifier.state_dict().items())
+    frozen = tiny_llama(16, 1, seed=1).requires_grad_(False)
+    with pytest.raises(ValueError, match="requires_grad"):
+        finetune_drafter(frozen, verifier, make_tasks(), **SMALL)
