@@ -325,19 +325,23 @@ def load_jsonl_tasks(path: str | Path) -> dict[str, TaskTexts]:
     return tasks
 
 
-def _tsv_rows(path: Path) -> list[list[str]]:
-    with path.open(encoding="utf-8") as handle:
+def _tsv_rows(path: Path) -> list[tuple[int, list[str]]]:
+    """Non-blank rows with their 1-based line numbers in the file (a UTF-8 byte-order mark is dropped)."""
+    with path.open(encoding="utf-8-sig") as handle:
         # Split on tabs by hand: csv's default quoting would mangle questions that contain quote marks.
-        return [line.rstrip("\r\n").split("\t") for line in handle if line.strip()]
+        return [(number, line.rstrip("\r\n").split("\t")) for number, line in enumerate(handle, start=1)
+                if line.strip()]
 
 
 def load_tsv_tasks(path: str | Path, task: str | None = None) -> dict[str, TaskTexts]:
     """Read a TSV file in one of two layouts.
 
     * With a header row ``task<TAB>text`` (optionally a ``prompt`` column too): one row per example, named by task.
-    * Without that header: ``question<TAB>answer`` rows of one task, named ``task`` or else after the file name
-      (``mgsm_de.tsv`` → ``mgsm_de``). The prompt is the question; the reference text is
-      ``question + QA_SEPARATOR + answer``.
+    * Without that header: ``question<TAB>answer`` rows of one task (an optional ``question<TAB>answer`` header
+      row is skipped), named ``task`` or else after the file name (``mgsm_de.tsv`` → ``mgsm_de``). The prompt is
+      the question; the reference text is ``question + QA_SEPARATOR + answer``.
+
+    A UTF-8 byte-order mark is ignored; error messages give the line number in the file (blank lines counted).
     """
     path = Path(path)
     _require_existing(path)
@@ -346,13 +350,13 @@ def load_tsv_tasks(path: str | Path, task: str | None = None) -> dict[str, TaskT
     rows = _tsv_rows(path)
     if not rows:
         raise TaskFileError(f"{path}: the file is empty")
-    header = [column.strip().lower() for column in rows[0]]
+    header = [column.strip().lower() for column in rows[0][1]]
     tasks: dict[str, TaskTexts] = {}
     if "task" in header:
         if "text" not in header and "prompt" not in header:
-            raise TaskFileError(f"{path}: a header with 'task' needs a 'text' or 'prompt' column, got {rows[0]}")
+            raise TaskFileError(f"{path}: a header with 'task' needs a 'text' or 'prompt' column, got {rows[0][1]}")
         columns = {name: header.index(name) for name in ("task", "text", "prompt") if name in header}
-        for line_number, row in enumerate(rows[1:], start=2):
+        for line_number, row in rows[1:]:
             if len(row) < len(header):
                 raise TaskFileError(f"{path}:{line_number}: expected {len(header)} tab-separated columns, "
                                     f"got {len(row)}")
@@ -362,7 +366,9 @@ def load_tsv_tasks(path: str | Path, task: str | None = None) -> dict[str, TaskT
             _add(tasks, values["task"], values.get("prompt"), values.get("text"))
     else:
         name = task or path.stem
-        for line_number, row in enumerate(rows, start=1):
+        if header[:2] == ["question", "answer"]:
+            rows = rows[1:]  # a column header, not an example
+        for line_number, row in rows:
             if len(row) < 2:
                 raise TaskFileError(
                     f"{path}:{line_number}: expected 'question<TAB>answer' (or a header row 'task<TAB>text'), "

@@ -122,6 +122,12 @@ def test_load_tsv_both_layouts(tmp_path):
     assert list(tasks) == ["gsm_en"]
     assert tasks["gsm_en"].prompts == ['What is "2+2"?', "And 3+3?"]
     assert tasks["gsm_en"].texts[0] == 'What is "2+2"?' + data.QA_SEPARATOR + "4"
+    bom = tmp_path / "bom.tsv"  # e.g. a spreadsheet export: byte-order mark before the header
+    bom.write_bytes("task\ttext\na\tx\nb\ty\n".encode("utf-8-sig"))
+    assert sorted(data.load_tasks(bom)) == ["a", "b"]
+    qa_header = tmp_path / "qa.tsv"
+    qa_header.write_text("Question\tAnswer\nq1\ta1\n", encoding="utf-8")
+    assert data.load_tasks(qa_header)["qa"].prompts == ["q1"]
 
 
 def test_load_tsv_errors(tmp_path):
@@ -137,6 +143,10 @@ def test_load_tsv_errors(tmp_path):
     short_row.write_text("task\ttext\nen\n", encoding="utf-8")
     with pytest.raises(data.TaskFileError, match="short.tsv:2"):
         data.load_tasks(short_row)
+    blank_lines = tmp_path / "blank.tsv"
+    blank_lines.write_text("q1\ta1\n\n\nbad\n", encoding="utf-8")
+    with pytest.raises(data.TaskFileError, match="blank.tsv:4"):  # the line in the file, blank lines counted
+        data.load_tasks(blank_lines)
 
 
 def test_load_mgsm_folder(tmp_path):
