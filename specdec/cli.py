@@ -64,6 +64,15 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _temperature(text: str) -> float:
+    from specdec._validation import MIN_TEMPERATURE
+
+    value = _non_negative_float(text)
+    if 0 < value < MIN_TEMPERATURE:
+        raise argparse.ArgumentTypeError(f"expected 0 (greedy) or a number >= {MIN_TEMPERATURE:g}, got {text}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = _non_negative_float(text)
     if value == 0:
@@ -85,6 +94,13 @@ def _existing_path(text: str) -> Path:
     return path
 
 
+def _existing_file(text: str) -> Path:
+    path = _existing_path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"not a file: {text}")
+    return path
+
+
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("models (Hugging Face ids already in the local cache, or local folders)")
     group.add_argument("--verifier", required=True, help="the large model whose outputs are kept")
@@ -99,11 +115,11 @@ def _add_decoding_options(parser: argparse.ArgumentParser, *, temperature: float
     group = parser.add_argument_group("speculative decoding")
     group.add_argument("-k", "--num-draft-tokens", type=_positive_int, default=4, metavar="K",
                        help="drafts per verifier call (default: 4)")
-    group.add_argument("--temperature", type=_non_negative_float, default=temperature,
+    group.add_argument("--temperature", type=_temperature, default=temperature,
                        help=f"sampling temperature, 0 = greedy (default: {temperature})")
     group.add_argument("--max-new-tokens", type=_positive_int, default=None,
                        help="tokens to generate per prompt")
-    group.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    group.add_argument("--seed", type=_non_negative_int, default=0, help="random seed (default: 0)")
     group.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
                        help="kernel backend: auto = Triton on CUDA, torch reference elsewhere (default: auto)")
     group.add_argument("--batch-size", type=_positive_int, default=8, help="prompts per batch (default: 8)")
@@ -178,6 +194,9 @@ def load_causal_lm(name: str, what: str, device: Any, dtype_name: str) -> Any:
 
 
 def _load_pair(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    for what, name in (("verifier", args.verifier), ("drafter", args.drafter), ("tokenizer", args.tokenizer)):
+        if name is not None and _looks_like_path(name) and not Path(name).expanduser().exists():
+            raise UsageError(f"argument --{what}: no such folder: {name}")
     device = _resolve_device(args.device)
     tokenizer = load_tokenizer(args.tokenizer or args.verifier)
     verifier = load_causal_lm(args.verifier, "verifier", device, args.dtype)
@@ -189,6 +208,17 @@ def _shared_vocab_size(verifier: Any, drafter: Any, tokenizer: Any) -> int | Non
     """None when both output layers have the same size, else the tokenizer's size (the shared id range)."""
     sizes = {model.get_output_embeddings().weight.shape[0] for model in (verifier, drafter)}
     return None if len(sizes) == 1 else len(tokenizer)
+
+
+def _check_output_folder(path: Path, option: str) -> None:
+    """UsageError before any work when ``path`` cannot become a folder we write into."""
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"argument {option}: {path} exists and is not a folder")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise UsageError(f"argument {option}: cannot create or write {path} ({parent} is not a writable folder)")
 
 
 def _load_tasks(path: Path, max_examples: int | None) -> dict[str, Any]:
@@ -209,6 +239,7 @@ def command_generate(args: argparse.Namespace) -> int:
     """Speculative decoding of one or more prompts; prints the completions and the acceptance statistics."""
     import torch
 
+    from specdec._seeding import derive_seed
     from specdec.data import TaskFileError, read_prompts_file
     from specdec.generate import generate
 
@@ -236,7 +267,7 @@ def command_generate(args: argparse.Namespace) -> int:
         with torch.no_grad():
             out = generate(verifier, drafter, input_ids, attention_mask, max_new_tokens=args.max_new_tokens,
                            num_draft_tokens=args.num_draft_tokens, temperature=args.temperature, top_k=args.top_k,
-                           top_p=args.top_p, eos_token_id=eos, seed=args.seed + start, backend=args.backend,
+                           top_p=args.top_p, eos_token_id=eos, seed=derive_seed(args.seed, start), backend=args.backend,
                            pad_token_id=pad, vocab_size=vocab_size)
         stats = out.stats
         width = input_ids.shape[1]
@@ -307,9 +338,12 @@ def command_finetune(args: argparse.Namespace) -> int:
     if args.eval_tasks is not None:
         eval_texts = {name: list(task.texts or task.prompts)
                       for name, task in _load_tasks(args.eval_tasks, args.max_examples).items()}
-    verifier, drafter, tokenizer = _load_pair(args)
+    _check_output_folder(args.output, "--output")
     if args.output.exists() and any(args.output.iterdir()) and not args.overwrite:
         raise UsageError(f"argument --output: {args.output} exists and is not empty (pass --overwrite)")
+    if args.checkpoint_dir is not None:
+        _check_output_folder(args.checkpoint_dir, "--checkpoint-dir")
+    verifier, drafter, tokenizer = _load_pair(args)
     result = finetune_drafter(
         drafter, verifier, texts, tokenizer=tokenizer, method=args.method, weight_basis=args.weight_basis,
         weight_floor=args.weight_floor, steps=args.steps, batch_size_per_task=args.batch_size_per_task,
@@ -387,6 +421,9 @@ def command_bench(args: argparse.Namespace) -> int:
     import torch
 
     if args.cpu_smoke:
+        if args.which != "all" or args.quick or args.dry_run or args.script_args:
+            raise UsageError("argument --cpu-smoke: takes no benchmark name, --quick, --dry-run or arguments after "
+                             "-- (it times the torch references on fixed small shapes)")
         _cpu_smoke()
         return 0
     folder = _benchmarks_dir(args.benchmarks_dir)
@@ -474,12 +511,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(generate)
     source = generate.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
-    source.add_argument("--prompts-file", type=_existing_path, help="a file of prompts")
+    source.add_argument("--prompts-file", type=_existing_file, help="a file of prompts")
     _add_decoding_options(generate, temperature=0.0)
     generate.set_defaults(max_new_tokens=64)
     generate.add_argument("--top-k", type=_non_negative_int, default=0, help="keep the k likeliest tokens (0 = off)")
     generate.add_argument("--top-p", type=_probability, default=1.0, help="nucleus sampling mass in (0, 1]")
-    generate.add_argument("--eos-token-id", type=int, default=None, help="stop token (default: the tokenizer's)")
+    generate.add_argument("--eos-token-id", type=_non_negative_int, default=None,
+                          help="stop token (default: the tokenizer's)")
     generate.add_argument("--no-special-tokens", action="store_true", help="do not add BOS etc. to prompts")
     generate.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     generate.set_defaults(handler=command_generate)
@@ -521,13 +559,13 @@ def build_parser() -> argparse.ArgumentParser:
     finetune.add_argument("--weight-floor", type=_non_negative_float, default=0.0)
     finetune.add_argument("--steps", type=_non_negative_int, default=200)
     finetune.add_argument("--batch-size-per-task", type=_positive_int, default=8)
-    finetune.add_argument("--seq-len", type=_positive_int, default=64)
+    finetune.add_argument("--seq-len", type=_int_at_least(2), default=64)
     finetune.add_argument("--lr", type=_positive_float, default=1e-3)
     finetune.add_argument("--eval-every", type=_positive_int, default=50)
     finetune.add_argument("--checkpoint-dir", type=Path, default=None, help="checkpoints for resuming")
     finetune.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint")
     finetune.add_argument("--max-examples", type=_positive_int, default=None, help="texts per task")
-    finetune.add_argument("--seed", type=int, default=0)
+    finetune.add_argument("--seed", type=_non_negative_int, default=0)
     finetune.add_argument("--no-special-tokens", action="store_true", help="do not add BOS etc. to texts")
     finetune.add_argument("--no-progress", action="store_true")
     finetune.set_defaults(handler=command_finetune)
@@ -555,7 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
                "source tree).")
     demo.add_argument("--output-dir", type=Path, default=None, help="report folder (default: ./specdec-demo-report)")
     demo.add_argument("--cache-dir", type=Path, default=None, help="where the trained pair is cached")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=_non_negative_int, default=0)
     demo.add_argument("--baselines", action="store_true",
                       help="also finetune with uniform distillation, data balancing and exact-variance weights "
                            "(about a minute more)")

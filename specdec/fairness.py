@@ -350,6 +350,7 @@ def _generation_figures(verifier: torch.nn.Module, drafter: torch.nn.Module, pro
                         tokenizer: Any, num_draft_tokens: int, temperature: float, max_new_tokens: int,
                         batch_size: int, seed: int, backend: str, eos_token_id: int | Sequence[int] | None,
                         pad_token_id: int, vocab_size: int | None) -> dict[str, float | int | None]:
+    from specdec._seeding import derive_seed
     from specdec.generate import generate
 
     device = model_device(verifier)
@@ -359,8 +360,8 @@ def _generation_figures(verifier: torch.nn.Module, drafter: torch.nn.Module, pro
         chunk = prompts[start:start + batch_size]
         ids, mask = pad_batch(chunk, pad_token_id, "left", device)
         out = generate(verifier, drafter, ids, mask, max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens,
-                       temperature=temperature, eos_token_id=eos_token_id, seed=seed + batch_index, backend=backend,
-                       pad_token_id=pad_token_id, vocab_size=vocab_size)
+                       temperature=temperature, eos_token_id=eos_token_id, seed=derive_seed(seed, batch_index),
+                       backend=backend, pad_token_id=pad_token_id, vocab_size=vocab_size)
         stats = out.stats
         drafted += int(stats.drafted.sum())
         accepted += int(stats.accepted.sum())

@@ -131,9 +131,13 @@ def per_task_mean(values: torch.Tensor, task_ids: torch.Tensor, num_tasks: int) 
     Returns:
         [m] float32: ``sum_{n: t_n = i} values_n / #{n: t_n = i}`` (0 for a task with no tokens).
     """
+    for name, tensor in (("values", values), ("task_ids", task_ids)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of shape [N], got {type(tensor).__name__}")
     if values.dim() != 1 or task_ids.shape != values.shape:
         raise ValueError(f"values and task_ids must both have shape [N], got {tuple(values.shape)} and "
                          f"{tuple(task_ids.shape)}")
+    _check_task_ids(task_ids, num_tasks)
     sums = torch.zeros(num_tasks, dtype=torch.float32, device=values.device).index_add(0, task_ids, values.float())
     counts = torch.bincount(task_ids, minlength=num_tasks).to(sums.dtype)
     return sums / counts.clamp_min(1)
@@ -148,5 +152,21 @@ def token_weights(task_ids: torch.Tensor, task_weights: torch.Tensor, task_count
     Returns:
         [N] float32 weights for :func:`specdec.divergences.divergence_loss` with ``reduction="sum"``.
     """
+    if not isinstance(task_weights, torch.Tensor) or not isinstance(task_counts, torch.Tensor) or (
+            task_weights.dim() != 1 or task_counts.shape != task_weights.shape):
+        raise ValueError("task_weights and task_counts must both be tensors of shape [m]")
+    if not isinstance(task_ids, torch.Tensor) or task_ids.dim() != 1:
+        raise ValueError("task_ids must be a tensor of shape [N]")
+    _check_task_ids(task_ids, task_weights.shape[0])
     per_task = task_weights.float() / task_counts.float().clamp_min(1)
     return per_task.to(task_ids.device)[task_ids]
+
+
+def _check_task_ids(task_ids: torch.Tensor, num_tasks: int) -> None:
+    if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1:
+        raise ValueError(f"num_tasks must be an int >= 1, got {num_tasks!r}")
+    if task_ids.dtype.is_floating_point or task_ids.dtype.is_complex or task_ids.dtype == torch.bool:
+        raise TypeError(f"task_ids must be an integer tensor, got {task_ids.dtype}")
+    if task_ids.numel() and (int(task_ids.min()) < 0 or int(task_ids.max()) >= num_tasks):
+        raise ValueError(f"task_ids must lie in [0, num_tasks={num_tasks}), got values in "
+                         f"[{int(task_ids.min())}, {int(task_ids.max())}]")

@@ -113,6 +113,9 @@ def test_generate_prompts_file_and_sampling_options(capsys, pair_dirs, tmp_path)
     (["-k", "0"], "-k/--num-draft-tokens"),
     (["--frobnicate"], "unrecognized arguments"),
     (["--dtype", "float8"], "--dtype"),
+    (["--temperature", "1e-7"], "--temperature"),
+    (["--seed", "-1"], "--seed"),
+    (["--eos-token-id", "-5"], "--eos-token-id"),
 ])
 def test_generate_bad_options(capsys, pair_dirs, options, message):
     verifier_dir, drafter_dir = pair_dirs
@@ -132,6 +135,13 @@ def test_generate_bad_paths(capsys, pair_dirs, tmp_path):
     code, _, err = run_cli(capsys, "generate", "--verifier", "nobody/no-such-model", "--drafter", verifier_dir,
                            "--prompt", "a")
     assert code == 1 and "offline" in err and "Traceback" not in err
+    for option in ("--verifier", "--tokenizer"):  # checked before anything is loaded
+        paths = {"--verifier": verifier_dir, "--drafter": verifier_dir, option: str(tmp_path / "missing")}
+        code, _, err = run_cli(capsys, "generate", *[x for kv in paths.items() for x in kv], "--prompt", "a")
+        assert code == 2 and f"argument {option}: no such folder" in err, err
+    code, _, err = run_cli(capsys, "generate", "--verifier", verifier_dir, "--drafter", verifier_dir,
+                           "--prompts-file", str(tmp_path))
+    assert code == 2 and "not a file" in err
 
 
 # -------------------------------------------------------------------------------------------------------- evaluate
@@ -208,6 +218,16 @@ def test_finetune_bad_inputs(capsys, pair_dirs, tasks_file, tmp_path):
     assert code == 2 and "none.tsv" in err
     code, _, err = run_cli(capsys, "finetune", *common, "--tasks", str(tasks_file), "--lr", "0")
     assert code == 2 and "--lr" in err
+    code, _, err = run_cli(capsys, "finetune", *common, "--tasks", str(tasks_file), "--seq-len", "1")
+    assert code == 2 and "--seq-len" in err
+    # unusable output folders are refused before any model is loaded or trained
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for option, target in (("--output", a_file / "sub"), ("--output", a_file), ("--checkpoint-dir", a_file)):
+        args = [*common[:4], "--output", str(target if option == "--output" else tmp_path / "o2"), "--tasks",
+                str(tasks_file)] + (["--checkpoint-dir", str(target)] if option == "--checkpoint-dir" else [])
+        code, _, err = run_cli(capsys, "finetune", *args)
+        assert code == 2 and f"argument {option}" in err, err
 
 
 # ----------------------------------------------------------------------------------------------------------- bench
@@ -226,6 +246,9 @@ def test_bench_without_gpu_explains_and_cpu_smoke_runs(capsys):
     code, out, err = run_cli(capsys, "bench", "--cpu-smoke")
     assert code == 0, err
     assert "| divergence |" in out and "rejection_sample" in out
+    for extra in (["divergence"], ["--quick"], ["--dry-run"], ["--", "--sweep"]):
+        code, _, err = run_cli(capsys, "bench", "--cpu-smoke", *extra)
+        assert code == 2 and "--cpu-smoke" in err
 
 
 def test_bench_bad_inputs(capsys, tmp_path):

@@ -201,3 +201,21 @@ def test_scdf_loss_bad_inputs():
         scdf_loss(torch.ones(3), weight_values=torch.ones(2))
     with pytest.raises(TypeError, match="task_losses"):
         scdf_loss(3.0)
+
+
+def test_per_task_mean_and_token_weights_reject_bad_task_ids():
+    values = torch.ones(4)
+    with pytest.raises(ValueError, match="task_ids must lie in"):
+        per_task_mean(values, torch.tensor([0, 1, 2, 3]), 3)
+    with pytest.raises(ValueError, match="task_ids must lie in"):
+        per_task_mean(values, torch.tensor([0, -1, 0, 0]), 3)
+    with pytest.raises(TypeError, match="task_ids"):
+        per_task_mean(values, torch.zeros(4), 3)
+    with pytest.raises(ValueError, match="num_tasks"):
+        per_task_mean(values, torch.zeros(4, dtype=torch.int64), 0)
+    with pytest.raises(TypeError, match="values"):
+        per_task_mean([1.0, 2.0], torch.zeros(2, dtype=torch.int64), 1)
+    with pytest.raises(ValueError, match="task_weights and task_counts"):
+        token_weights(torch.zeros(4, dtype=torch.int64), torch.ones(2), torch.ones(3))
+    with pytest.raises(ValueError, match="task_ids must lie in"):
+        token_weights(torch.tensor([0, 2]), torch.ones(2), torch.ones(2))
