@@ -483,9 +483,10 @@ examples:
 exit codes: 0 success, 1 runtime error, 2 usage error (bad option or value, missing file)
 """
 
-_TASKS_HELP = ("task file: .jsonl with 'task' and 'prompt'/'text' fields, .tsv ('task<TAB>text' with that header, "
-               "or 'question<TAB>answer' rows named after the file), or a folder of <name>_<lang>.tsv files "
-               "(MGSM layout, task = lang)")
+_TASKS_HELP = ("task file: .jsonl/.json rows with 'prompt'/'question' and 'text'/'response'/'answer' fields (and "
+               "'task', else the file name), .tsv ('task<TAB>text' with that header, or 'question<TAB>answer' rows), "
+               ".txt (one text per line), or a folder with one file per language: <name>_<lang>.tsv/.json/.jsonl or "
+               "<name>.<lang>.txt, task = lang (MGSM, MSVAMP, mCoT outputs and NTREX-128 load as they come)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,14 +11,16 @@ deliberately different structure so that a drafter can be good at some and poor 
 - ``grammar_latin``: ``the red fox sees a bird. every cat follows the wolf.`` (a small grammar, Latin script)
 - ``grammar_cyrillic``: the same grammar transliterated letter by letter into Cyrillic (same content, other script)
 
-User task files (see :func:`load_tasks`) are JSONL with a ``task`` field, TSV, or an MGSM-style folder of
-``<name>_<lang>.tsv`` files; each loader returns ``dict[task name, TaskData]``.
+User task files (see :func:`load_tasks`): JSONL / JSON, TSV, plain text (one text per line), or a folder with one
+file per language, which covers the shared MGSM, MSVAMP, mCoT-output and NTREX-128 folders as they come; each loader
+returns ``dict[task name, TaskData]``.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -287,17 +289,67 @@ def _add(tasks: dict[str, TaskTexts], task: str, prompt: str | None, text: str |
         entry.texts.append(text)
 
 
-def load_jsonl_tasks(path: str | Path) -> dict[str, TaskTexts]:
-    """Read a JSONL file of objects with a ``task`` field and ``prompt`` and/or ``text`` fields.
+def _row_to_example(row: Any, where: str, default_task: str | None) -> tuple[str, str | None, str | None]:
+    """``(task, prompt, text)`` of one JSON object (see :func:`load_jsonl_tasks` for the fields)."""
+    if not isinstance(row, dict):
+        raise TaskFileError(f"{where}: each row must be a JSON object, got {type(row).__name__}")
+    task = row.get("task", default_task)
+    if not isinstance(task, str) or not task:
+        raise TaskFileError(f"{where}: missing a non-empty string field 'task'")
+    prompt, text = row.get("prompt"), row.get("text")
+    separator = ""
+    if prompt is None and row.get("question") is not None:
+        prompt = row.get("question")
+        separator = QA_SEPARATOR
+    completion = next((row[key] for key in ("response", "completion", "answer") if row.get(key) is not None), None)
+    if "response" in row or "completion" in row:
+        separator = ""  # a chain-of-thought response or a completion continues its prompt directly
+    for name, value in (("prompt", prompt), ("text", text), ("answer", completion)):
+        if value is not None and not isinstance(value, str):
+            raise TaskFileError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
+    if text is None and prompt is not None and completion is not None:
+        text = f"{prompt}{separator}{completion}"
+    if not prompt and not text:
+        raise TaskFileError(f"{where}: needs a non-empty 'prompt' / 'question' or 'text' field")
+    return task, prompt, text
 
-    ``prompt`` goes to the task's generation prompts; ``text`` is a full reference text. A row with ``prompt`` and
-    ``completion`` (or ``answer``) but no ``text`` contributes ``prompt + completion`` as its reference text.
+
+def load_jsonl_tasks(path: str | Path, task: str | None = None) -> dict[str, TaskTexts]:
+    """Read a JSONL file (one object per line) or a ``.json`` file holding a list of objects.
+
+    Fields: ``task`` (in every row or in none; default: the ``task`` argument, else the file name), ``prompt`` (or
+    ``question``) goes to the task's generation prompts, ``text`` is a full reference text. Without ``text``, the
+    reference text is the prompt followed by ``response`` (a chain of thought), ``completion``, or ``answer`` (after
+    ``QA_SEPARATOR`` when the prompt came from ``question``). So GSM8K (``question``/``answer``), MSVAMP (a list of
+    ``question``/``answer``) and mCoT outputs (``question``/``response``) load as they are.
     """
     path = Path(path)
     _require_existing(path)
     tasks: dict[str, TaskTexts] = {}
-    with path.open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
+    with path.open(encoding="utf-8-sig") as handle:
+        content = handle.read()
+    named_rows: list[bool] = []  # whether the file names tasks per row: decided by its first row, then required
+
+    def add_row(row: Any, where: str) -> None:
+        if not named_rows:
+            named_rows.append(isinstance(row, dict) and "task" in row)
+        default_task = None if named_rows[0] else (task or path.stem)
+        if not named_rows[0] and isinstance(row, dict) and "task" in row:
+            raise TaskFileError(f"{where}: has a 'task' field but the first row has none (name every row's task, "
+                                "or none)")
+        _add(tasks, *_row_to_example(row, where, default_task))
+
+    if path.suffix.lower() == ".json" and content.lstrip().startswith("["):
+        try:
+            rows = json.loads(content)
+        except json.JSONDecodeError as error:
+            raise TaskFileError(f"{path}:{error.lineno}: not valid JSON ({error.msg})") from None
+        if not isinstance(rows, list):
+            raise TaskFileError(f"{path}: expected a JSON list of objects")
+        for index, row in enumerate(rows):
+            add_row(row, f"{path}[{index}]")
+    else:
+        for line_number, line in enumerate(content.splitlines(), start=1):
             if not line.strip():
                 continue
             where = f"{path}:{line_number}"
@@ -305,24 +357,22 @@ def load_jsonl_tasks(path: str | Path) -> dict[str, TaskTexts]:
                 row = json.loads(line)
             except json.JSONDecodeError as error:
                 raise TaskFileError(f"{where}: not valid JSON ({error.msg})") from None
-            if not isinstance(row, dict):
-                raise TaskFileError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
-            task = row.get("task")
-            if not isinstance(task, str) or not task:
-                raise TaskFileError(f"{where}: missing a non-empty string field 'task'")
-            prompt, text = row.get("prompt"), row.get("text")
-            completion = row.get("completion", row.get("answer"))
-            if text is None and prompt is not None and completion is not None:
-                text = f"{prompt}{completion}"
-            for name, value in (("prompt", prompt), ("text", text)):
-                if value is not None and not isinstance(value, str):
-                    raise TaskFileError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
-            if not prompt and not text:
-                raise TaskFileError(f"{where}: needs a non-empty 'prompt' or 'text' field")
-            _add(tasks, task, prompt, text)
+            add_row(row, where)
     if not tasks:
         raise TaskFileError(f"{path}: no rows found")
     return tasks
+
+
+def load_text_lines(path: str | Path, task: str | None = None) -> dict[str, TaskTexts]:
+    """A plain text file with one reference text per line (e.g. an NTREX-128 ``newstest2019-ref.<lang>.txt``); no
+    prompts. Task name: ``task``, else the file name."""
+    path = Path(path)
+    _require_existing(path)
+    with path.open(encoding="utf-8-sig") as handle:
+        texts = [line.rstrip("\r\n") for line in handle if line.strip()]
+    if not texts:
+        raise TaskFileError(f"{path}: no rows found")
+    return {task or path.stem: TaskTexts(prompts=[], texts=texts)}
 
 
 def _tsv_rows(path: Path) -> list[tuple[int, list[str]]]:
@@ -381,26 +431,72 @@ def load_tsv_tasks(path: str | Path, task: str | None = None) -> dict[str, TaskT
     return tasks
 
 
-def load_mgsm_folder(path: str | Path) -> dict[str, TaskTexts]:
-    """Read an MGSM-style folder of ``<name>_<lang>.tsv`` files (``question<TAB>answer`` rows); task = ``lang``."""
+_LANGUAGE_FILE = re.compile(r"^(?P<name>.+?)(?:_|\.)(?P<lang>[a-z]{2,3}(?:-[A-Z]{2})?)\.(?P<ext>tsv|jsonl|json|txt)$")
+
+
+def _language_files(path: Path) -> list[tuple[Path, str, str]]:
+    """``(file, name, lang)`` for the files of a folder named ``<name>_<lang>.<tsv|json|jsonl|txt>`` or
+    ``<name>.<lang>.txt`` (``lang``: 2–3 lower-case letters, optionally ``-`` and a region, e.g. ``zho-CN``); other
+    files (READMEs, ``DOCUMENT_IDS.tsv``, ``exemplars.json``, ...) are not tasks."""
+    found = []
+    for file in sorted(path.iterdir()):
+        match = _LANGUAGE_FILE.match(file.name)
+        if file.is_file() and match:
+            found.append((file, match["name"], match["lang"]))
+    return found
+
+
+def _load_file(path: Path, task: str | None = None) -> dict[str, TaskTexts]:
+    """One task file, by extension (``.txt``: TSV when it has tabs, else one text per line)."""
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        return load_jsonl_tasks(path, task=task)
+    if suffix == ".tsv" or (suffix == ".txt" and _has_tab(path)):
+        return load_tsv_tasks(path, task=task)
+    if suffix == ".txt":
+        return load_text_lines(path, task=task)
+    raise TaskFileError(f"{path}: unsupported task file type {path.suffix!r}; use .jsonl, .json, .tsv, .txt or "
+                        "a folder with one file per language")
+
+
+def load_language_folder(path: str | Path) -> dict[str, TaskTexts]:
+    """Read a folder with one file per language, as the shared multilingual data sets come:
+
+    * MGSM: ``mgsm_<lang>.tsv`` (``question<TAB>answer`` rows);
+    * MSVAMP: ``test_<lang>.json`` (a JSON list of ``question``/``answer`` objects);
+    * mCoT outputs: ``mcot_ft_<set>_<lang>.json`` (JSON lines of ``question``/``response``);
+    * NTREX-128: ``newstest2019-ref.<lang>.txt`` (one sentence per line: reference texts, no prompts).
+
+    A task per file, named ``<lang>``; when two files share a language (``mcot_ft_mgsm_de`` and
+    ``mcot_ft_msvamp_de``) every task is named after its file instead.
+    """
     path = Path(path)
     _require_existing(path)
     if not path.is_dir():
         raise TaskFileError(f"{path} is not a folder")
-    files = sorted(file for file in path.glob("*_*.tsv") if file.is_file())
+    files = _language_files(path)
     if not files:
-        raise TaskFileError(f"{path}: no files named <name>_<lang>.tsv found")
+        raise TaskFileError(f"{path}: no files named <name>_<lang>.tsv / .json / .jsonl or <name>.<lang>.txt found")
+    by_language = len({lang for _, _, lang in files}) == len(files)  # one file per language
     tasks: dict[str, TaskTexts] = {}
-    for file in files:
-        lang = file.stem.rsplit("_", 1)[1]
-        if lang in tasks:
-            raise TaskFileError(f"{path}: more than one file for language {lang!r}")
-        tasks.update(load_tsv_tasks(file, task=lang))
+    for file, _name, lang in files:
+        loaded = _load_file(file, task=lang if by_language else file.stem)
+        for key, entry in loaded.items():
+            if key in tasks:
+                raise TaskFileError(f"{path}: more than one file for task {key!r}")
+            tasks[key] = entry
     return tasks
 
 
+def load_mgsm_folder(path: str | Path) -> dict[str, TaskTexts]:
+    """An MGSM-style folder of ``<name>_<lang>.tsv`` files; see :func:`load_language_folder`."""
+    return load_language_folder(path)
+
+
 def load_tasks(path: str | Path, *, max_examples: int | None = None, as_task_data: bool = True) -> dict[str, Any]:
-    """Load user tasks from a ``.jsonl`` file, a ``.tsv`` file or an MGSM-style folder, picked by the path.
+    """Load user tasks from a ``.jsonl`` / ``.json`` file (:func:`load_jsonl_tasks`), a ``.tsv`` file
+    (:func:`load_tsv_tasks`), a ``.txt`` file (TSV when it has tabs, else :func:`load_text_lines`), or a folder with
+    one file per language (:func:`load_language_folder`: the shared MGSM, MSVAMP, mCoT and NTREX-128 folders).
 
     Returns ``{task: TaskData(prompts, texts)}`` (``specdec.fairness.TaskData`` when available, else
     :class:`TaskTexts`; ``as_task_data=False`` always gives :class:`TaskTexts`). ``max_examples`` keeps the first
@@ -408,15 +504,7 @@ def load_tasks(path: str | Path, *, max_examples: int | None = None, as_task_dat
     """
     path = Path(path)
     _require_existing(path)
-    if path.is_dir():
-        tasks = load_mgsm_folder(path)
-    elif path.suffix.lower() in (".jsonl", ".json"):
-        tasks = load_jsonl_tasks(path)
-    elif path.suffix.lower() in (".tsv", ".txt"):
-        tasks = load_tsv_tasks(path)
-    else:
-        raise TaskFileError(f"{path}: unsupported task file type {path.suffix!r}; use .jsonl, .tsv or a folder of "
-                            "<name>_<lang>.tsv files")
+    tasks = load_language_folder(path) if path.is_dir() else _load_file(path)
     if max_examples is not None:
         if max_examples < 1:
             raise ValueError(f"max_examples must be >= 1, got {max_examples}")
@@ -425,6 +513,11 @@ def load_tasks(path: str | Path, *, max_examples: int | None = None, as_task_dat
     if not as_task_data:
         return tasks
     return {name: to_task_data(entry.prompts, entry.texts) for name, entry in tasks.items()}
+
+
+def _has_tab(path: Path) -> bool:
+    with path.open(encoding="utf-8-sig") as handle:
+        return any("\t" in line for line in handle)
 
 
 def read_prompts_file(path: str | Path) -> list[str]:

@@ -99,7 +99,7 @@ def test_load_jsonl(tmp_path):
 @pytest.mark.parametrize("line, message", [
     ("{not json", "not valid JSON"),
     ('{"prompt": "x"}', "'task'"),
-    ('{"task": "a"}', "'prompt' or 'text'"),
+    ('{"task": "a"}', "'text' field"),
     ('["a"]', "JSON object"),
     ('{"task": "a", "text": 3}', "must be a string"),
 ])
@@ -109,6 +109,48 @@ def test_load_jsonl_errors_name_the_line(tmp_path, line, message):
     with pytest.raises(data.TaskFileError, match=message) as error:
         data.load_tasks(path)
     assert "bad.jsonl:2" in str(error.value)
+
+
+def test_shared_data_layouts(tmp_path):
+    """The four shared data sets' layouts, in miniature: GSM8K JSONL without a task field, MSVAMP JSON lists, mCoT
+    JSON lines with a chain-of-thought response, NTREX one-sentence-per-line files next to a DOCUMENT_IDS.tsv."""
+    gsm = tmp_path / "train.jsonl"
+    gsm.write_text(json.dumps({"question": "2+2?", "answer": "4\n#### 4"}) + "\n", encoding="utf-8")
+    tasks = data.load_tasks(gsm, as_task_data=False)
+    assert tasks == {"train": data.TaskTexts(["2+2?"], ["2+2?" + data.QA_SEPARATOR + "4\n#### 4"])}
+
+    msvamp = tmp_path / "msvamp"
+    msvamp.mkdir()
+    for lang, question in (("en", "How many?"), ("de", "Wie viele?")):
+        rows = [{"query": "How many?", "question": question, "equation": "+ 1 2", "answer": "3.0"}]
+        (msvamp / f"test_{lang}.json").write_text(json.dumps(rows, ensure_ascii=False), encoding="utf-8")
+    tasks = data.load_tasks(msvamp, as_task_data=False)
+    assert sorted(tasks) == ["de", "en"] and tasks["de"].texts == ["Wie viele?" + data.QA_SEPARATOR + "3.0"]
+
+    mcot = tmp_path / "mcot"
+    mcot.mkdir()
+    for family in ("mgsm", "msvamp"):
+        row = {"question": "Question:\nQ?\nAnswer:\n", "response": "Think. The answer is 3.", "answer": 3}
+        (mcot / f"mcot_ft_{family}_de.json").write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n",
+                                                         encoding="utf-8")
+    tasks = data.load_tasks(mcot, as_task_data=False)  # two file families: tasks named after the files
+    assert sorted(tasks) == ["mcot_ft_mgsm_de", "mcot_ft_msvamp_de"]
+    assert tasks["mcot_ft_msvamp_de"].texts == ["Question:\nQ?\nAnswer:\nThink. The answer is 3."] * 2
+
+    ntrex = tmp_path / "ntrex"
+    ntrex.mkdir()
+    (ntrex / "DOCUMENT_IDS.tsv").write_text("bbc.1\nbbc.1\n", encoding="utf-8")
+    (ntrex / "README.md").write_text("# about\n", encoding="utf-8")
+    for kind, lang in (("ref", "deu"), ("ref", "zho-CN"), ("src", "eng")):
+        (ntrex / f"newstest2019-{kind}.{lang}.txt").write_text(f"{lang} one\n\n{lang} two\n", encoding="utf-8")
+    tasks = data.load_tasks(ntrex, as_task_data=False)  # one file per language: tasks named by language
+    assert sorted(tasks) == ["deu", "eng", "zho-CN"] and tasks["eng"] == data.TaskTexts([], ["eng one", "eng two"])
+
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"task": "t", "prompt": "b"}) + "\n",
+                     encoding="utf-8")
+    with pytest.raises(data.TaskFileError, match="mixed.jsonl:2: has a 'task' field but the first row has none"):
+        data.load_tasks(mixed)
 
 
 def test_load_tsv_both_layouts(tmp_path):
