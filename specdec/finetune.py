@@ -95,9 +95,20 @@ def _digest(tensors: Mapping[str, torch.Tensor], meta_json: str) -> str:
     return h.hexdigest()
 
 
+def _tasks_digest(corpus: list[list[list[int]]], eval_tokens: dict[str, list[list[int]]]) -> str:
+    """SHA-256 of the training and evaluation token ids: a resume with other data (same names, same sizes) is
+    refused."""
+    h = hashlib.sha256()
+    for part in (corpus, sorted(eval_tokens.items())):
+        h.update(json.dumps(part, separators=(",", ":")).encode("ascii"))
+    return h.hexdigest()
+
+
 def save_checkpoint(path: str, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
-                    data_generator: torch.Generator, history: list[dict[str, Any]], config: dict[str, Any]) -> None:
-    """Atomically write a safetensors checkpoint: drafter weights, AdamW state, step, RNG states, history, config.
+                    data_generator: torch.Generator, history: list[dict[str, Any]], config: dict[str, Any],
+                    since_eval: list[float] | None = None) -> None:
+    """Atomically write a safetensors checkpoint: drafter weights, AdamW state, step, RNG states, history, config,
+    and the objectives of the steps since the last evaluation (so a resumed run logs the same ``train_loss``).
 
     The file is written to a temporary file in the same folder, read back and verified (SHA-256 over every tensor and
     the metadata), and only then moved over ``path`` with ``os.replace``; a failure at any point leaves the previous
@@ -122,7 +133,7 @@ def save_checkpoint(path: str, drafter: torch.nn.Module, optimizer: torch.optim.
         for i, state in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"rng.cuda.{i}"] = state.clone()
     meta = {"format": _FORMAT, "step": step, "param_groups": opt_state["param_groups"], "scalar_state": scalar_state,
-            "history": history, "config": config}
+            "history": history, "config": config, "since_eval": list(since_eval or [])}
     meta_json = json.dumps(meta, sort_keys=True)
     metadata = {"specdec": meta_json, "sha256": _digest(tensors, meta_json)}
     folder = os.path.dirname(os.path.abspath(path))
@@ -419,13 +430,15 @@ def finetune_drafter(
     config = {"method": method, "weight_basis": weight_basis, "weight_floor": weight_floor, "tasks": names,
               "task_sizes": [len(c) for c in corpus], "batch_size_per_task": batch_size_per_task,
               "seq_len": seq_len, "lr": lr, "weight_decay": weight_decay, "max_grad_norm": max_grad_norm,
-              "temperature": temperature, "seed": seed, "normalize_weights": normalize_weights}
+              "temperature": temperature, "seed": seed, "normalize_weights": normalize_weights,
+              "tasks_digest": _tasks_digest(corpus, eval_tokens)}
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=weight_decay)
     generator = torch.Generator().manual_seed(seed)
     ckpt_path = os.path.join(os.fspath(checkpoint_dir), CHECKPOINT_NAME) if checkpoint_dir is not None else None
     checkpoint_every = checkpoint_every or eval_every
     history: list[dict[str, Any]] = []
     start_step = 0
+    resumed_since_eval: list[float] = []
     verifier_was_training, drafter_was_training = verifier.training, drafter.training
     verifier.eval()
 
@@ -445,6 +458,7 @@ def finetune_drafter(
         _restore(ckpt, drafter, optimizer, generator, ckpt_path)
         start_step = int(ckpt["meta"]["step"])
         history = list(ckpt["meta"]["history"])
+        resumed_since_eval = [float(x) for x in ckpt["meta"].get("since_eval", [])]
     if not history:
         evaluate_now(0, None)
 
@@ -458,12 +472,12 @@ def finetune_drafter(
         if ckpt_path is None:
             return
         if rank == 0:
-            save_checkpoint(ckpt_path, drafter, optimizer, step, generator, history, config)
+            save_checkpoint(ckpt_path, drafter, optimizer, step, generator, history, config, since_eval)
         if distributed:
             dist.barrier()
 
     losses: list[float] = []
-    since_eval: list[float] = []
+    since_eval: list[float] = resumed_since_eval
     drafter.train()
     bar = tqdm(total=steps, initial=min(start_step, steps), desc=f"finetune[{method}]",
                disable=not progress or rank != 0)

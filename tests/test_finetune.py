@@ -116,10 +116,37 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):
     again = copy.deepcopy(drafter0)
     done = finetune_drafter(again, verifier, tasks, checkpoint_dir=tmp_path / "full", **{**SMALL, "steps": 6})
     assert done.losses == [] and weights_equal(again, full)
-    # a checkpoint of another configuration is refused
+    # a checkpoint of another configuration is refused, and so is one of other texts (same names and sizes)
     with pytest.raises(CheckpointError, match="different settings"):
         finetune_drafter(copy.deepcopy(drafter0), verifier, tasks, checkpoint_dir=tmp_path / "full", method="balanced",
                          **{**SMALL, "steps": 6})
+    other_texts = {name: [[(t + 1) % VOCAB for t in seq] for seq in seqs] for name, seqs in tasks.items()}
+    with pytest.raises(CheckpointError, match="tasks_digest"):
+        finetune_drafter(copy.deepcopy(drafter0), verifier, other_texts, checkpoint_dir=tmp_path / "full",
+                         **{**SMALL, "steps": 6})
+
+
+def test_resume_between_evaluations_logs_the_same_train_loss(tmp_path):
+    """Checkpoints every 3 steps, evaluations every 4: the steps after the last evaluation are in the checkpoint, so
+    the resumed run's logged mean objective equals the uninterrupted run's."""
+    verifier, drafter0 = make_pair()
+    tasks = make_tasks()
+    settings = {**SMALL, "steps": 8, "eval_every": 4, "checkpoint_every": 3}
+    full = finetune_drafter(copy.deepcopy(drafter0), verifier, tasks, checkpoint_dir=tmp_path / "full", **settings)
+
+    class StopRunError(Exception):
+        pass
+
+    def stop_at_7(step, info):
+        if step == 7:
+            raise StopRunError
+
+    with pytest.raises(StopRunError):
+        finetune_drafter(copy.deepcopy(drafter0), verifier, tasks, checkpoint_dir=tmp_path / "part",
+                         callback=stop_at_7, **settings)
+    assert load_checkpoint(str(tmp_path / "part" / CHECKPOINT_NAME))["meta"]["step"] == 6  # 2 steps after eval 4
+    resumed = finetune_drafter(copy.deepcopy(drafter0), verifier, tasks, checkpoint_dir=tmp_path / "part", **settings)
+    assert [h["train_loss"] for h in resumed.history] == [h["train_loss"] for h in full.history]
 
 
 def _good_checkpoint(tmp_path) -> str:
