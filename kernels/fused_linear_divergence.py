@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .divergence import _weighted_total, launch_divergence
+from .divergence import _weighted_total, launch_divergence, raise_on_bad_status
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 27  # logits per chunk: 256 MiB in bf16
 
@@ -38,7 +38,7 @@ class FusedLinearDivergenceFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, verifier_logits: torch.Tensor,
                 weights: torch.Tensor | None, mask: torch.Tensor | None, temperature: float, reduction: str,
-                chunk_size: int | None) -> torch.Tensor:
+                chunk_size: int | None, check_inputs: bool = False) -> torch.Tensor:
         n_rows, _ = hidden.shape
         vocab = weight.shape[0]
         if reduction == "mean":
@@ -54,20 +54,23 @@ class FusedLinearDivergenceFunction(torch.autograd.Function):
         w32 = weights.to(torch.float32).contiguous() if weights is not None else None
         verifier_logits = verifier_logits.contiguous()
         ce = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
+        status = torch.zeros(n_rows, dtype=torch.int32, device=hidden.device)
         for start in range(0, n_rows, chunk):
             end = min(start + chunk, n_rows)
             h_c = hidden[start:end]
             logits_c = h_c @ weight.t()
-            ce[start:end] = launch_divergence(
+            ce[start:end], _, _, _, status[start:end], _ = launch_divergence(
                 verifier_logits[start:end], logits_c, temperature,
                 mask=mask_u8[start:end] if mask_u8 is not None else None, compute_tv=False,
                 grad_out=logits_c if need_grad else None,
-                weights=w32[start:end] if w32 is not None else None, grad_scale=scale)[0]
+                weights=w32[start:end] if w32 is not None else None, grad_scale=scale)
             if need_h:
                 torch.mm(logits_c, weight, out=grad_hidden[start:end])
             if need_w:
                 _accumulate_weight_grad(grad_weight, logits_c, h_c)
             del logits_c
+        if check_inputs:
+            raise_on_bad_status(status)  # bit 1: the drafter logits h W^T (NaN / inf in h or W)
         if grad_weight is not None and weight.dtype != torch.float32:
             grad_weight = grad_weight.to(weight.dtype)
         ctx.save_for_backward(grad_hidden, grad_weight)
@@ -79,12 +82,13 @@ class FusedLinearDivergenceFunction(torch.autograd.Function):
         if not torch.equal(grad_output, torch.ones_like(grad_output)):
             grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype) if grad_hidden is not None else None
             grad_weight = grad_weight * grad_output.to(grad_weight.dtype) if grad_weight is not None else None
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def fused_linear_divergence_loss_triton(hidden: torch.Tensor, weight: torch.Tensor, verifier_logits: torch.Tensor,
                                         weights: torch.Tensor | None, mask: torch.Tensor | None, temperature: float,
-                                        reduction: str, chunk_size: int | None = None) -> torch.Tensor:
+                                        reduction: str, chunk_size: int | None = None,
+                                        check_inputs: bool = False) -> torch.Tensor:
     """Triton path of :func:`specdec.fused_linear_divergence_loss` (0-dim float32)."""
     return FusedLinearDivergenceFunction.apply(hidden, weight, verifier_logits.detach(), weights, mask, temperature,
-                                               reduction, chunk_size)
+                                               reduction, chunk_size, check_inputs)

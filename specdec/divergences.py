@@ -297,6 +297,7 @@ def fused_linear_divergence_loss(
     *,
     mask: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    check_inputs: bool = True,
 ) -> torch.Tensor:
     """:func:`divergence_loss` of ``drafter_logits = drafter_hidden @ lm_head_weight.T`` without storing them whole.
 
@@ -306,6 +307,8 @@ def fused_linear_divergence_loss(
         verifier_logits: [N, V] verifier logits (no gradient).
         weights, temperature, reduction, backend, mask: as in :func:`divergence_loss`.
         chunk_size: tokens per chunk on the Triton path (default: about 2**27 logits per chunk).
+        check_inputs: raise ValueError when a counted row of ``verifier_logits`` or of the drafter logits holds NaN
+            or +inf or is all ``-inf`` (one device sync; the Triton path reads the kernel's flags, no extra pass).
 
     Returns:
         0-dim loss (float32; float64 for float64 inputs on the torch path) with gradients for ``drafter_hidden``
@@ -341,7 +344,10 @@ def fused_linear_divergence_loss(
         from specdec.kernels.fused_linear_divergence import fused_linear_divergence_loss_triton
 
         return fused_linear_divergence_loss_triton(drafter_hidden, lm_head_weight, verifier_logits, weights, mask,
-                                                   temperature, reduction, chunk_size)
+                                                   temperature, reduction, chunk_size, check_inputs)
     logits = drafter_hidden @ lm_head_weight.t()
+    if check_inputs:
+        check_logit_rows(verifier_logits, "verifier_logits", mask)
+        check_logit_rows(logits.detach(), "drafter_logits", mask)
     ce = cross_entropy_rows(verifier_logits, logits, temperature, _loss_dtype(logits))
     return _reduce_weighted(ce, weights, mask, reduction)

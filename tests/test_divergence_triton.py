@@ -405,3 +405,22 @@ def test_loss_refuses_bad_rows_on_the_triton_path() -> None:
     mask = torch.ones(6, dtype=torch.bool, device=DEVICE)
     mask[2] = False
     assert torch.isfinite(sd.divergence_loss(d, v, mask=mask, backend="triton"))  # the bad row is not counted
+
+
+def test_fused_linear_refuses_bad_rows() -> None:
+    g = torch.Generator().manual_seed(46)
+    hidden = torch.randn(5, 8, generator=g).to(DEVICE)
+    weight = torch.randn(30, 8, generator=g).to(DEVICE)
+    v = _logits(5, 30, 47)
+    bad_hidden = hidden.clone()
+    bad_hidden[3, 0] = float("nan")
+    for backend in ("triton", "torch"):
+        with pytest.raises(ValueError, match="drafter_logits"):
+            sd.fused_linear_divergence_loss(bad_hidden, weight, v, backend=backend, chunk_size=2)
+        bad_v = v.clone()
+        bad_v[1, 4] = float("inf")
+        with pytest.raises(ValueError, match="verifier_logits"):
+            sd.fused_linear_divergence_loss(hidden, weight, bad_v, backend=backend, chunk_size=2)
+        mask = torch.ones(5, dtype=torch.bool, device=DEVICE)
+        mask[3] = False
+        assert torch.isfinite(sd.fused_linear_divergence_loss(bad_hidden, weight, v, mask=mask, backend=backend))
