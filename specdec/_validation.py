@@ -32,11 +32,6 @@ def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
     return first
 
 
-def check_no_nan(tensor: torch.Tensor, name: str) -> None:
-    if torch.isnan(tensor).any():
-        raise ValueError(f"{name} contains NaN; refusing to turn NaN logits into tokens or metrics")
-
-
 def check_logit_rows(logits: torch.Tensor, name: str, used_rows: torch.Tensor | None = None) -> None:
     """ValueError if a row of ``logits`` ([..., V]) that is used (``used_rows`` [...] bool; default every row) holds
     NaN or +inf, or has no finite entry (all ``-inf``: no distribution). Rows that are not used are not read by the
@@ -54,6 +49,18 @@ def check_logit_rows(logits: torch.Tensor, name: str, used_rows: torch.Tensor | 
         raise ValueError(f"{name} contains +inf; logits must be finite or -inf (masked out)")
     if has_empty:
         raise ValueError(f"{name} has a row with every entry -inf where a distribution is needed")
+
+
+def check_int_range(value: object, name: str, low: int, high: int, *, allow_none: bool = False,
+                    note: str = "") -> int | None:
+    """``value`` if it is an int (not a bool) in ``[low, high)``, else ValueError naming ``name`` and the range."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
+        bound = "2**64" if high == 2**64 else str(high)
+        raise ValueError(f"{name} must be {'None or ' if allow_none else ''}an int in [{low}, {bound}){note}, "
+                         f"got {value!r}")
+    return value
 
 
 MIN_TEMPERATURE = 1e-6  # below this 1 / T times a logit can overflow float32; use 0 (greedy) instead

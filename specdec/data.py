@@ -325,39 +325,28 @@ def load_jsonl_tasks(path: str | Path, task: str | None = None) -> dict[str, Tas
     """
     path = Path(path)
     _require_existing(path)
-    tasks: dict[str, TaskTexts] = {}
     with path.open(encoding="utf-8-sig") as handle:
         content = handle.read()
-    named_rows: list[bool] = []  # whether the file names tasks per row: decided by its first row, then required
-
-    def add_row(row: Any, where: str) -> None:
-        if not named_rows:
-            named_rows.append(isinstance(row, dict) and "task" in row)
-        default_task = None if named_rows[0] else (task or path.stem)
-        if not named_rows[0] and isinstance(row, dict) and "task" in row:
-            raise TaskFileError(f"{where}: has a 'task' field but the first row has none (name every row's task, "
-                                "or none)")
-        _add(tasks, *_row_to_example(row, where, default_task))
-
+    rows: list[tuple[str, Any]] = []  # (where, row)
     if path.suffix.lower() == ".json" and content.lstrip().startswith("["):
         try:
-            rows = json.loads(content)
+            rows = [(f"{path}[{index}]", row) for index, row in enumerate(json.loads(content))]
         except json.JSONDecodeError as error:
             raise TaskFileError(f"{path}:{error.lineno}: not valid JSON ({error.msg})") from None
-        if not isinstance(rows, list):
-            raise TaskFileError(f"{path}: expected a JSON list of objects")
-        for index, row in enumerate(rows):
-            add_row(row, f"{path}[{index}]")
     else:
         for line_number, line in enumerate(content.splitlines(), start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise TaskFileError(f"{where}: not valid JSON ({error.msg})") from None
-            add_row(row, where)
+            if line.strip():
+                try:
+                    rows.append((f"{path}:{line_number}", json.loads(line)))
+                except json.JSONDecodeError as error:
+                    raise TaskFileError(f"{path}:{line_number}: not valid JSON ({error.msg})") from None
+    named = bool(rows) and isinstance(rows[0][1], dict) and "task" in rows[0][1]  # the first row decides
+    tasks: dict[str, TaskTexts] = {}
+    for where, row in rows:
+        if not named and isinstance(row, dict) and "task" in row:
+            raise TaskFileError(f"{where}: has a 'task' field but the first row has none (name every row's task, "
+                                "or none)")
+        _add(tasks, *_row_to_example(row, where, None if named else (task or path.stem)))
     if not tasks:
         raise TaskFileError(f"{path}: no rows found")
     return tasks
@@ -431,18 +420,18 @@ def load_tsv_tasks(path: str | Path, task: str | None = None) -> dict[str, TaskT
     return tasks
 
 
-_LANGUAGE_FILE = re.compile(r"^(?P<name>.+?)(?:_|\.)(?P<lang>[a-z]{2,3}(?:-[A-Z]{2})?)\.(?P<ext>tsv|jsonl|json|txt)$")
+_LANGUAGE_FILE = re.compile(r"^.+?[_.](?P<lang>[a-z]{2,3}(?:-[A-Z]{2})?)\.(?:tsv|jsonl|json|txt)$")
 
 
-def _language_files(path: Path) -> list[tuple[Path, str, str]]:
-    """``(file, name, lang)`` for the files of a folder named ``<name>_<lang>.<tsv|json|jsonl|txt>`` or
+def _language_files(path: Path) -> list[tuple[Path, str]]:
+    """``(file, lang)`` for the files of a folder named ``<name>_<lang>.<tsv|json|jsonl|txt>`` or
     ``<name>.<lang>.txt`` (``lang``: 2–3 lower-case letters, optionally ``-`` and a region, e.g. ``zho-CN``); other
     files (READMEs, ``DOCUMENT_IDS.tsv``, ``exemplars.json``, ...) are not tasks."""
     found = []
     for file in sorted(path.iterdir()):
         match = _LANGUAGE_FILE.match(file.name)
         if file.is_file() and match:
-            found.append((file, match["name"], match["lang"]))
+            found.append((file, match["lang"]))
     return found
 
 
@@ -477,20 +466,15 @@ def load_language_folder(path: str | Path) -> dict[str, TaskTexts]:
     files = _language_files(path)
     if not files:
         raise TaskFileError(f"{path}: no files named <name>_<lang>.tsv / .json / .jsonl or <name>.<lang>.txt found")
-    by_language = len({lang for _, _, lang in files}) == len(files)  # one file per language
+    by_language = len({lang for _, lang in files}) == len(files)  # one file per language
     tasks: dict[str, TaskTexts] = {}
-    for file, _name, lang in files:
+    for file, lang in files:
         loaded = _load_file(file, task=lang if by_language else file.stem)
         for key, entry in loaded.items():
             if key in tasks:
                 raise TaskFileError(f"{path}: more than one file for task {key!r}")
             tasks[key] = entry
     return tasks
-
-
-def load_mgsm_folder(path: str | Path) -> dict[str, TaskTexts]:
-    """An MGSM-style folder of ``<name>_<lang>.tsv`` files; see :func:`load_language_folder`."""
-    return load_language_folder(path)
 
 
 def load_tasks(path: str | Path, *, max_examples: int | None = None, as_task_data: bool = True) -> dict[str, Any]:

@@ -581,7 +581,7 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
     Returns:
         :class:`FairnessReport`.
     """
-    from specdec._validation import check_backend, check_temperature
+    from specdec._validation import check_backend, check_int_range, check_temperature
 
     check_model_pair(verifier, drafter)
     if not isinstance(tasks, Mapping):
@@ -603,17 +603,13 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
     data = {str(name): _as_task_data(str(name), value) for name, value in tasks.items()}
     id_limit = min(model_vocab_size(verifier, "verifier"), model_vocab_size(drafter, "drafter"))
     if vocab_size is not None:
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 1 <= vocab_size <= id_limit:
-            raise ValueError(f"vocab_size must be None or an int in [1, {id_limit}] (the models' output sizes), "
-                             f"got {vocab_size!r}")
-        id_limit = vocab_size
+        id_limit = check_int_range(vocab_size, "vocab_size", 1, id_limit + 1, note=" (the models' output sizes)")
     if pad_token_id is None:
         pad_token_id = getattr(tokenizer, "pad_token_id", None)
         if pad_token_id is None:
             eos = eos_token_id if isinstance(eos_token_id, int) else (eos_token_id[0] if eos_token_id else None)
             pad_token_id = eos if eos is not None else 0
-    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or not 0 <= pad_token_id < id_limit:
-        raise ValueError(f"pad_token_id must be an int in [0, {id_limit}), got {pad_token_id!r}")
+    check_int_range(pad_token_id, "pad_token_id", 0, id_limit)
 
     measured = cost_ratio is None
     if measured:

@@ -40,7 +40,7 @@ from specdec.fairness import (
     task_divergences,
     unfairness,
 )
-from specdec.losses import scdf_weights, token_weights
+from specdec.losses import scdf_weights, token_weights_unchecked
 
 METHODS = ("scdf", "exact_variance", "uniform_kd", "balanced")
 WEIGHT_BASES = ("ce", "kl", "tv")
@@ -361,7 +361,7 @@ def finetune_drafter(
     import torch.distributed as dist
     from tqdm.auto import tqdm
 
-    from specdec._validation import check_backend
+    from specdec._validation import check_backend, check_int_range
     from specdec.divergences import divergence, divergence_loss
 
     check_model_pair(verifier, drafter)
@@ -373,8 +373,7 @@ def finetune_drafter(
         raise ValueError(f"drafter shares parameters with the verifier ({', '.join(shared[:4])}"
                          f"{', ...' if len(shared) > 4 else ''}): finetuning would modify the frozen verifier; give "
                          "the drafter its own copies")
-    trainable = [p for p in drafter.parameters() if p.requires_grad]
-    if not trainable:
+    if not any(p.requires_grad for p in drafter.parameters()):
         raise ValueError("drafter has no parameter with requires_grad=True: nothing to finetune")
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -399,13 +398,10 @@ def finetune_drafter(
     model_vocab = min(model_vocab_size(verifier), model_vocab_size(drafter))
     if vocab_size is None:
         vocab_size = model_vocab
-    elif isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 1 <= vocab_size <= model_vocab:
-        raise ValueError(f"vocab_size must be None or an int in [1, {model_vocab}] (the models' output sizes), "
-                         f"got {vocab_size!r}")
-    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or not 0 <= pad_token_id < vocab_size:
-        raise ValueError(f"pad_token_id must be an int in [0, vocab_size={vocab_size}), got {pad_token_id!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+    else:
+        check_int_range(vocab_size, "vocab_size", 1, model_vocab + 1, note=" (the models' output sizes)")
+    check_int_range(pad_token_id, "pad_token_id", 0, vocab_size)
+    check_int_range(seed, "seed", 0, 2**64)
     autocast = device.type == "cuda" if autocast is None else bool(autocast)
 
     corpus_map = _tokenize_tasks(tasks, tokenizer, "tasks", add_special_tokens)
@@ -511,7 +507,7 @@ def finetune_drafter(
                     weights[present] = scdf_weights(
                         basis[present], {"scdf": "scdf", "exact_variance": "exact_variance"}.get(method, "uniform"),
                         floor=weight_floor, normalize=normalize_weights).to(device)
-                    tok_w = token_weights(task_ids, weights, counts)
+                    tok_w = token_weights_unchecked(task_ids, weights, counts)
                 objective = float((weights.double() * values[0]).sum()) if method != "uniform_kd" else float(
                     stats[0].sum() / counts.sum())
             loss = divergence_loss(d_logits, v_logits, weights=tok_w, temperature=temperature, reduction="sum",

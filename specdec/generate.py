@@ -22,9 +22,9 @@ import torch
 from tqdm.auto import tqdm
 
 from specdec._models import check_model_pair, model_device, model_vocab_size
-from specdec._validation import check_backend, check_temperature, check_tensor
+from specdec._validation import check_backend, check_int_range, check_temperature, check_tensor
 from specdec.kernels.rejection_sampling_reference import exponential_race
-from specdec.sampling import filter_logits, rejection_sample_unchecked
+from specdec.sampling import filter_logits_unchecked, rejection_sample_unchecked
 
 _DRAFT_STREAM_SALT = 0x5DEECE66D  # separates the drafter's random stream from the sampler's
 
@@ -242,17 +242,14 @@ def generate(
     if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
         raise ValueError(f"input_ids must lie in [0, vocab_size={vocab})")
     eos_ids = _eos_ids(eos_token_id, vocab)
-    if pad_token_id is not None and (isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int)
-                                     or not 0 <= pad_token_id < vocab):
-        raise ValueError(f"pad_token_id must be None or an int in [0, vocab_size={vocab}), got {pad_token_id!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
-        raise ValueError(f"seed must be None or an int in [0, 2**64), got {seed!r}")
+    check_int_range(pad_token_id, "pad_token_id", 0, vocab, allow_none=True, note=" (vocab_size)")
+    check_int_range(seed, "seed", 0, 2**64, allow_none=True)
     pad = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
     greedy = temperature == 0
 
     def process(logits: torch.Tensor) -> torch.Tensor:
         """Logits as the sampler sees them: raw for greedy, else filter(logits / T) in fp32."""
-        return logits.float() if greedy else filter_logits(logits.float() / temperature, top_k, top_p)
+        return logits.float() if greedy else filter_logits_unchecked(logits.float() / temperature, top_k, top_p)
 
     generator = torch.Generator(device="cpu")
     if seed is not None:

@@ -158,6 +158,13 @@ def token_weights(task_ids: torch.Tensor, task_weights: torch.Tensor, task_count
     if not isinstance(task_ids, torch.Tensor) or task_ids.dim() != 1:
         raise ValueError("task_ids must be a tensor of shape [N]")
     _check_task_ids(task_ids, task_weights.shape[0])
+    return token_weights_unchecked(task_ids, task_weights, task_counts)
+
+
+def token_weights_unchecked(task_ids: torch.Tensor, task_weights: torch.Tensor,
+                            task_counts: torch.Tensor) -> torch.Tensor:
+    """:func:`token_weights` without argument checks (no device sync), for the finetuning step loop, whose task ids
+    it builds itself."""
     per_task = task_weights.float() / task_counts.float().clamp_min(1)
     return per_task.to(task_ids.device)[task_ids]
 
@@ -167,6 +174,7 @@ def _check_task_ids(task_ids: torch.Tensor, num_tasks: int) -> None:
         raise ValueError(f"num_tasks must be an int >= 1, got {num_tasks!r}")
     if task_ids.dtype.is_floating_point or task_ids.dtype.is_complex or task_ids.dtype == torch.bool:
         raise TypeError(f"task_ids must be an integer tensor, got {task_ids.dtype}")
-    if task_ids.numel() and (int(task_ids.min()) < 0 or int(task_ids.max()) >= num_tasks):
-        raise ValueError(f"task_ids must lie in [0, num_tasks={num_tasks}), got values in "
-                         f"[{int(task_ids.min())}, {int(task_ids.max())}]")
+    if task_ids.numel():
+        low, high = torch.stack(torch.aminmax(task_ids)).tolist()  # one device sync
+        if low < 0 or high >= num_tasks:
+            raise ValueError(f"task_ids must lie in [0, num_tasks={num_tasks}), got values in [{low}, {high}]")

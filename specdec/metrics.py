@@ -29,8 +29,8 @@ def _check_alpha(alpha: TensorOrFloat, name: str = "alpha") -> TensorOrFloat:
             raise TypeError(f"{name} must be a float tensor or a float, got {alpha.dtype}")
         if alpha.numel() == 0:
             return alpha
-        low, high = float(alpha.min()), float(alpha.max())
-        has_nan = bool(torch.isnan(alpha).any())
+        low, high = torch.stack(torch.aminmax(alpha)).tolist()  # one device sync; NaN propagates into both
+        has_nan = low != low
     elif isinstance(alpha, (int, float)) and not isinstance(alpha, bool):
         low = high = float(alpha)
         has_nan = alpha != alpha

@@ -13,7 +13,7 @@ from specdec._validation import (
     check_tensor,
     use_triton,
 )
-from specdec.kernels.rejection_sampling_reference import rejection_sample_reference
+from specdec.kernels.rejection_sampling_reference import effective_draft_counts, rejection_sample_reference
 
 
 @dataclass
@@ -127,9 +127,7 @@ def rejection_sample(
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     if check_nan:
         # rows a request can reach: target positions j <= n_b, draft positions j < n_b (n_b = its number of drafts)
-        n_b = (draft_tokens >= 0).to(torch.int64).cumprod(-1).sum(-1)
-        if num_draft_tokens is not None:
-            n_b = torch.minimum(n_b, num_draft_tokens.to(torch.int64))
+        n_b = effective_draft_counts(draft_tokens, num_draft_tokens)
         positions = torch.arange(num_positions, device=device)
         check_logit_rows(target_logits, "target_logits", positions[None, :] <= n_b[:, None])
         check_logit_rows(draft_logits, "draft_logits", positions[None, :num_drafts] < n_b[:, None])
@@ -188,6 +186,12 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
         raise ValueError(f"top_k must be an integer >= 0 (0 = no limit), got {top_k!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1] (1 = no limit), got {top_p!r}")
+    return filter_logits_unchecked(logits, top_k, top_p)
+
+
+def filter_logits_unchecked(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """:func:`filter_logits` without argument checks, for callers that validated ``top_k`` and ``top_p`` once
+    (``generate`` filters at every step)."""
     out = logits.float()
     vocab = out.shape[-1]
     if 0 < top_k < vocab:
