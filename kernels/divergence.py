@@ -37,9 +37,10 @@ def _divergence_kernel(
     ce_ptr, kl_ptr, tv_ptr, alpha_ptr, status_ptr,
     grad_ptr, stride_g,
     task_ce_ptr, task_kl_ptr, task_tv_ptr, task_alpha_ptr, task_count_ptr,
-    n_rows, vocab, num_programs, scale2, grad_scale,
+    n_rows, vocab, num_programs, scale2, grad_scale, count_ptr,
     HAS_MASK: tl.constexpr, HAS_TASKS: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     COMPUTE_TV: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr, EVICT_LAST: tl.constexpr,
+    VEC_ACC: tl.constexpr = False, STAGES: tl.constexpr = 1, HAS_COUNT: tl.constexpr = False,
 ):
     LN2: tl.constexpr = 0.6931471805599453
     NEG_INF: tl.constexpr = float("-inf")
@@ -55,43 +56,90 @@ def _divergence_kernel(
             keep = tl.load(mask_ptr + row64) != 0
         if keep:
             # ---- pass 1: online log-sum-exp of both rows, entropy and KL pieces ----
-            mx = NEG_INF
-            my = NEG_INF
-            sx = 0.0
-            sy = 0.0
-            r = 0.0
-            e = 0.0
-            n_bad = 0
-            for start in range(0, vocab, BLOCK):
-                cols = start + offs
-                inb = cols < vocab
-                if EVICT_LAST:
-                    x = tl.load(v_row + cols, mask=inb, other=NEG_INF, eviction_policy="evict_last")
-                    y = tl.load(d_row + cols, mask=inb, other=NEG_INF, eviction_policy="evict_last")
-                else:
+            if VEC_ACC:
+                # Sums kept per lane ([BLOCK] vectors rescaled by the tile's scalar max change) and reduced once
+                # per row: two max reductions per tile instead of seven reductions.
+                mx = NEG_INF
+                my = NEG_INF
+                sx_v = tl.zeros([BLOCK], dtype=tl.float32)
+                sy_v = tl.zeros([BLOCK], dtype=tl.float32)
+                a_v = tl.zeros([BLOCK], dtype=tl.float32)  # CE only: sum w (y - my); else r = sum w (x - mx)
+                e_v = tl.zeros([BLOCK], dtype=tl.float32)
+                bad_v = tl.zeros([BLOCK], dtype=tl.int32)
+                for start in tl.range(0, vocab, BLOCK, num_stages=STAGES):
+                    cols = start + offs
+                    inb = cols < vocab
                     x = tl.load(v_row + cols, mask=inb, other=NEG_INF)
                     y = tl.load(d_row + cols, mask=inb, other=NEG_INF)
-                x = x.to(tl.float32) * scale2
-                y = y.to(tl.float32) * scale2
-                mx_new = tl.maximum(mx, tl.max(x, 0))
-                my_new = tl.maximum(my, tl.max(y, 0))
-                mx_ref = tl.where(mx_new == NEG_INF, 0.0, mx_new)
-                my_ref = tl.where(my_new == NEG_INF, 0.0, my_new)
-                cx = tl.exp2(mx - mx_ref)
-                cy = tl.exp2(my - my_ref)
-                shift_x = tl.where(mx == NEG_INF, 0.0, mx - mx_ref)
-                dx = x - mx_ref
-                wx = tl.exp2(dx)
-                wy = tl.exp2(y - my_ref)
-                fx = x > NEG_INF
-                fy = y > NEG_INF
-                r = cx * (r + shift_x * sx) + tl.sum(tl.where(fx, wx * dx, 0.0), 0)
-                e = cx * e + tl.sum(tl.where(fx & fy, wx * (x - y), 0.0), 0)
-                n_bad += tl.sum((fx & (y == NEG_INF)).to(tl.int32), 0)
-                sx = cx * sx + tl.sum(wx, 0)
-                sy = cy * sy + tl.sum(wy, 0)
-                mx = mx_new
-                my = my_new
+                    x = x.to(tl.float32) * scale2
+                    y = y.to(tl.float32) * scale2
+                    mx_new = tl.maximum(mx, tl.max(x, 0))
+                    my_new = tl.maximum(my, tl.max(y, 0))
+                    mx_ref = tl.where(mx_new == NEG_INF, 0.0, mx_new)
+                    my_ref = tl.where(my_new == NEG_INF, 0.0, my_new)
+                    cx = tl.exp2(mx - mx_ref)
+                    cy = tl.exp2(my - my_ref)
+                    dx = x - mx_ref
+                    dy = y - my_ref
+                    wx = tl.exp2(dx)
+                    fx = x > NEG_INF
+                    fy = y > NEG_INF
+                    both = fx & fy
+                    if COMPUTE_TV:
+                        shift_x = tl.where(mx == NEG_INF, 0.0, mx - mx_ref)
+                        a_v = cx * (a_v + shift_x * sx_v) + tl.where(fx, wx * dx, 0.0)
+                        e_v = cx * e_v + tl.where(both, wx * (x - y), 0.0)
+                    else:
+                        shift_y = tl.where(my == NEG_INF, 0.0, my - my_ref)
+                        a_v = cx * (a_v + shift_y * sx_v) + tl.where(both, wx * dy, 0.0)
+                    bad_v = bad_v | (fx & (y == NEG_INF)).to(tl.int32)
+                    sx_v = cx * sx_v + wx
+                    sy_v = cy * sy_v + tl.exp2(dy)
+                    mx = mx_new
+                    my = my_new
+                sx = tl.sum(sx_v, 0)
+                sy = tl.sum(sy_v, 0)
+                r = tl.sum(a_v, 0)
+                e = tl.sum(e_v, 0)
+                n_bad = tl.max(bad_v, 0)
+            else:
+                mx = NEG_INF
+                my = NEG_INF
+                sx = 0.0
+                sy = 0.0
+                r = 0.0
+                e = 0.0
+                n_bad = 0
+                for start in range(0, vocab, BLOCK):
+                    cols = start + offs
+                    inb = cols < vocab
+                    if EVICT_LAST:
+                        x = tl.load(v_row + cols, mask=inb, other=NEG_INF, eviction_policy="evict_last")
+                        y = tl.load(d_row + cols, mask=inb, other=NEG_INF, eviction_policy="evict_last")
+                    else:
+                        x = tl.load(v_row + cols, mask=inb, other=NEG_INF)
+                        y = tl.load(d_row + cols, mask=inb, other=NEG_INF)
+                    x = x.to(tl.float32) * scale2
+                    y = y.to(tl.float32) * scale2
+                    mx_new = tl.maximum(mx, tl.max(x, 0))
+                    my_new = tl.maximum(my, tl.max(y, 0))
+                    mx_ref = tl.where(mx_new == NEG_INF, 0.0, mx_new)
+                    my_ref = tl.where(my_new == NEG_INF, 0.0, my_new)
+                    cx = tl.exp2(mx - mx_ref)
+                    cy = tl.exp2(my - my_ref)
+                    shift_x = tl.where(mx == NEG_INF, 0.0, mx - mx_ref)
+                    dx = x - mx_ref
+                    wx = tl.exp2(dx)
+                    wy = tl.exp2(y - my_ref)
+                    fx = x > NEG_INF
+                    fy = y > NEG_INF
+                    r = cx * (r + shift_x * sx) + tl.sum(tl.where(fx, wx * dx, 0.0), 0)
+                    e = cx * e + tl.sum(tl.where(fx & fy, wx * (x - y), 0.0), 0)
+                    n_bad += tl.sum((fx & (y == NEG_INF)).to(tl.int32), 0)
+                    sx = cx * sx + tl.sum(wx, 0)
+                    sy = cy * sy + tl.sum(wy, 0)
+                    mx = mx_new
+                    my = my_new
             status = tl.where(sx > 0.0, 0, 1) + tl.where(sy > 0.0, 0, 2)
             mx = tl.where(mx == NEG_INF, 0.0, mx)
             my = tl.where(my == NEG_INF, 0.0, my)
@@ -99,10 +147,16 @@ def _divergence_kernel(
             log2_sy = tl.log2(sy)
             lp = mx + log2_sx
             lq = my + log2_sy
-            entropy = LN2 * (log2_sx - r / sx)
-            kl = LN2 * tl.maximum(e / sx - lp + lq, 0.0)
-            kl = tl.where(n_bad > 0, float("inf"), kl)
-            ce = entropy + kl
+            if VEC_ACC and not COMPUTE_TV:
+                # H(p, q) = ln2 (lq - sum p y) = ln2 (log2 sy - sum w (y - my) / sx)
+                kl = 0.0
+                ce = LN2 * (log2_sy - r / sx)
+                ce = tl.where(n_bad > 0, float("inf"), ce)
+            else:
+                entropy = LN2 * (log2_sx - r / sx)
+                kl = LN2 * tl.maximum(e / sx - lp + lq, 0.0)
+                kl = tl.where(n_bad > 0, float("inf"), kl)
+                ce = entropy + kl
             tl.store(ce_ptr + row64, ce)
             tl.store(status_ptr + row64, status)
             if COMPUTE_TV:
@@ -110,7 +164,7 @@ def _divergence_kernel(
                 # ---- pass 2: TV and alpha with the normalisers known (reverse order: L2-warm tiles first) ----
                 acc_abs = tl.zeros([BLOCK], dtype=tl.float32)
                 acc_min = tl.zeros([BLOCK], dtype=tl.float32)
-                for i in range(0, n_tiles):
+                for i in tl.range(0, n_tiles, num_stages=STAGES):
                     cols = (n_tiles - 1 - i) * BLOCK + offs
                     inb = cols < vocab
                     x = tl.load(v_row + cols, mask=inb, other=NEG_INF, eviction_policy="evict_first")
@@ -136,10 +190,12 @@ def _divergence_kernel(
             if WRITE_GRAD:
                 # ---- pass 2': gradient of w_n H(p_n, q_n) w.r.t. the drafter logits, (q - p) / T ----
                 w = grad_scale
+                if HAS_COUNT:  # "mean" over a mask: 1 / max(count, 1), counted on the device (no host sync)
+                    w = w / tl.maximum(tl.load(count_ptr), 1.0)
                 if HAS_WEIGHTS:
                     w = w * tl.load(weight_ptr + row64).to(tl.float32)
                 g_row = grad_ptr + row64 * stride_g
-                for i in range(0, n_tiles):
+                for i in tl.range(0, n_tiles, num_stages=STAGES):
                     cols = (n_tiles - 1 - i) * BLOCK + offs
                     inb = cols < vocab
                     x = tl.load(v_row + cols, mask=inb, other=NEG_INF, eviction_policy="evict_first")
@@ -378,7 +434,7 @@ def _divergence_chunked_kernel(
 # Launch configuration (NOTES_divergence.md); the benchmark overrides it through `set_config` to sweep tile sizes,
 # chunk sizes and grid shapes.
 _DEFAULT_CONFIG: dict[str, int] = {"block": 2048, "num_warps": 4, "programs_per_sm": 0, "programs": 0,
-                                   "evict_last": 0, "interpret_block": 256,
+                                   "evict_last": 0, "interpret_block": 256, "vec_acc": 0, "stages": 1,
                                    "split": 0, "chunk_tiles": 8, "spin": 1, "chunk_programs_per_sm": 0,
                                    "interpret_chunk_tiles": 2}
 _CONFIG: dict[str, int] = dict(_DEFAULT_CONFIG)
@@ -483,6 +539,7 @@ def launch_divergence(
     grad_out: torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
     grad_scale: float = 1.0,
+    grad_count: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Run the kernel once. Returns ``(ce, kl, tv, alpha, status, per_task)`` ([N] float32 / int32 tensors; kl, tv,
     alpha are None when ``compute_tv`` is False; per_task a tuple of 4 float64 sums and an int64 count, or None).
@@ -524,9 +581,13 @@ def launch_divergence(
     if not _CONFIG["split"]:
         _divergence_kernel[(programs,)](
             *common, n_rows, vocab, programs, LOG2E / temperature, grad_scale / temperature,
-            **flags, BLOCK=block, EVICT_LAST=bool(_CONFIG["evict_last"]), num_warps=num_warps,
+            grad_count if grad_count is not None else dummy,
+            **flags, BLOCK=block, EVICT_LAST=bool(_CONFIG["evict_last"]), VEC_ACC=bool(_CONFIG["vec_acc"]),
+            STAGES=max(1, _CONFIG["stages"]), HAS_COUNT=grad_count is not None, num_warps=num_warps,
         )
     else:
+        if grad_count is not None:  # the experimental chunked kernel takes the scale on the host
+            grad_scale = grad_scale / max(float(grad_count.item()), 1.0)
         stats = torch.empty(n_rows * n_chunks * 8, dtype=torch.float32, device=device)
         part = torch.empty(n_rows * n_chunks * 2, dtype=torch.float32, device=device) if compute_tv else stats
         counter = torch.zeros(n_rows + 1, dtype=torch.int32, device=device)  # + the abort flag
@@ -583,37 +644,74 @@ def _weighted_total(ce: torch.Tensor, weights: torch.Tensor | None, mask: torch.
     return torch.where(w != 0, w * ce, torch.zeros_like(ce)).sum()
 
 
+@triton.jit
+def _rescale_gradient_kernel(grad_ptr, upstream_ptr, applied_ptr, numel, num_programs, BLOCK: tl.constexpr):
+    """grad *= upstream / applied in place, skipped (every program returns at once) when the ratio is exactly 1."""
+    factor = tl.load(upstream_ptr).to(tl.float32) / tl.load(applied_ptr)
+    if factor != 1.0:
+        offs = tl.arange(0, BLOCK).to(tl.int64)
+        for start in range(tl.program_id(0) * BLOCK, numel, num_programs * BLOCK):
+            idx = start + offs
+            inb = idx < numel
+            g = tl.load(grad_ptr + idx, mask=inb).to(tl.float32)
+            tl.store(grad_ptr + idx, (g * factor).to(grad_ptr.dtype.element_ty), mask=inb)
+
+
+def rescale_gradient(grad: torch.Tensor, upstream: torch.Tensor, applied: torch.Tensor) -> None:
+    """Scale ``grad`` (contiguous) in place by ``upstream / applied`` (1-element tensors on its device), then record
+    ``applied = upstream``, without a host sync: the usual ``loss.backward()`` (upstream 1) costs one tiny launch
+    instead of a ``torch.equal`` round trip, and a second backward through a retained graph stays correct."""
+    numel = grad.numel()
+    block = 4096 if not _interpreting() else 256
+    programs = max(1, min(triton.cdiv(numel, block), 4 * _sm_count(grad.device)))
+    _rescale_gradient_kernel[(programs,)](grad, upstream, applied, numel, programs, BLOCK=block, num_warps=4)
+    applied.copy_(upstream.reshape(1).to(torch.float32))
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 class DivergenceLossFunction(torch.autograd.Function):
-    """``sum_n w_n H(p_n, q_n)`` (or its mean) with the drafter-logit gradient computed in the forward pass."""
+    """``sum_n w_n H(p_n, q_n)`` (or its mean) with the drafter-logit gradient computed in the forward pass.
+
+    No host sync unless ``check_inputs``: a masked mean's token count stays on the device and the backward scales
+    the stored gradient by the incoming one on the device (nothing to do for the usual ``loss.backward()``)."""
 
     @staticmethod
     def forward(ctx, drafter_logits: torch.Tensor, verifier_logits: torch.Tensor, weights: torch.Tensor | None,
                 mask: torch.Tensor | None, temperature: float, reduction: str,
                 check_inputs: bool = False) -> torch.Tensor:
         n_rows = drafter_logits.shape[0]
+        count = None
+        scale = 1.0
         if reduction == "mean":
-            count = float(n_rows if mask is None else int(mask.sum()))
-            scale = 1.0 / max(count, 1.0)
-        else:
-            scale = 1.0
+            if mask is None:
+                scale = 1.0 / max(n_rows, 1)
+            else:
+                count = mask.sum(dtype=torch.float32).reshape(1)
         needs_grad = ctx.needs_input_grad[0]
         grad = torch.empty_like(drafter_logits, memory_format=torch.contiguous_format) if needs_grad else None
         mask_u8 = mask.to(torch.uint8) if mask is not None else None
         w32 = weights.to(torch.float32).contiguous() if weights is not None else None
         ce, _, _, _, status, _ = launch_divergence(verifier_logits, drafter_logits, temperature, mask=mask_u8,
-                                                   compute_tv=False, grad_out=grad, weights=w32, grad_scale=scale)
+                                                   compute_tv=False, grad_out=grad, weights=w32, grad_scale=scale,
+                                                   grad_count=count)
         if check_inputs:
             raise_on_bad_status(status)
         ctx.save_for_backward(grad)
-        return _weighted_total(ce, weights, mask) * scale
+        ctx.applied = torch.ones(1, dtype=torch.float32, device=drafter_logits.device) if needs_grad else None
+        total = _weighted_total(ce, weights, mask) * scale
+        return total if count is None else total / count.clamp_min(1.0).reshape(())
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (grad,) = ctx.saved_tensors
         if grad is None:
             return None, None, None, None, None, None, None
-        if not torch.equal(grad_output, torch.ones_like(grad_output)):
-            grad = grad * grad_output.to(grad.dtype)
+        rescale_gradient(grad, grad_output, ctx.applied)
         return grad, None, None, None, None, None, None
 
 
@@ -634,5 +732,5 @@ def raise_on_bad_status(status: torch.Tensor) -> None:
             raise ValueError(f"{name} contains NaN or +inf, or a row with every entry -inf: p or q would be undefined")
 
 
-__all__ = ["DivergenceLossFunction", "chunk_layout", "divergence_loss_triton", "divergence_triton",
+__all__ = ["DivergenceLossFunction", "chunk_layout", "rescale_gradient", "divergence_loss_triton", "divergence_triton",
            "launch_divergence", "raise_on_bad_status", "set_config", "LOG2E"]

@@ -6,14 +6,15 @@ with ``dL/dlogits = w_n s (q - p) / T``; then ``grad_h_c = dlogits_c W`` and ``g
 float32 accumulator (a float32-output matrix product where the device has one, else float32 operands). Peak extra
 memory is one [C, V] chunk, the [V, H] float32 weight-gradient accumulator and the [N, H] hidden gradient.
 
-The gradients are computed in the forward pass and scaled by the incoming gradient in the backward pass.
+The gradients are computed in the forward pass and scaled by the incoming gradient in the backward pass, on the
+device (no host sync unless ``check_inputs``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .divergence import _weighted_total, launch_divergence, raise_on_bad_status
+from .divergence import _weighted_total, launch_divergence, raise_on_bad_status, rescale_gradient
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 27  # logits per chunk: 256 MiB in bf16
 
@@ -41,10 +42,13 @@ class FusedLinearDivergenceFunction(torch.autograd.Function):
                 chunk_size: int | None, check_inputs: bool = False) -> torch.Tensor:
         n_rows, _ = hidden.shape
         vocab = weight.shape[0]
+        count = None
+        scale = 1.0
         if reduction == "mean":
-            scale = 1.0 / max(float(n_rows if mask is None else int(mask.sum())), 1.0)
-        else:
-            scale = 1.0
+            if mask is None:
+                scale = 1.0 / max(n_rows, 1)
+            else:  # stays on the device: no host sync
+                count = mask.sum(dtype=torch.float32).reshape(1)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_grad = need_h or need_w
         chunk = chunk_size or max(1, DEFAULT_CHUNK_ELEMENTS // vocab)
@@ -63,7 +67,7 @@ class FusedLinearDivergenceFunction(torch.autograd.Function):
                 verifier_logits[start:end], logits_c, temperature,
                 mask=mask_u8[start:end] if mask_u8 is not None else None, compute_tv=False,
                 grad_out=logits_c if need_grad else None,
-                weights=w32[start:end] if w32 is not None else None, grad_scale=scale)
+                weights=w32[start:end] if w32 is not None else None, grad_scale=scale, grad_count=count)
             if need_h:
                 torch.mm(logits_c, weight, out=grad_hidden[start:end])
             if need_w:
@@ -74,14 +78,16 @@ class FusedLinearDivergenceFunction(torch.autograd.Function):
         if grad_weight is not None and weight.dtype != torch.float32:
             grad_weight = grad_weight.to(weight.dtype)
         ctx.save_for_backward(grad_hidden, grad_weight)
-        return _weighted_total(ce, weights, mask) * scale
+        ctx.applied = [torch.ones(1, dtype=torch.float32, device=hidden.device) for _ in range(2)]
+        total = _weighted_total(ce, weights, mask) * scale
+        return total if count is None else total / count.clamp_min(1.0).reshape(())
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
-        if not torch.equal(grad_output, torch.ones_like(grad_output)):
-            grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype) if grad_hidden is not None else None
-            grad_weight = grad_weight * grad_output.to(grad_weight.dtype) if grad_weight is not None else None
+        for grad, applied in zip((grad_hidden, grad_weight), ctx.applied, strict=True):
+            if grad is not None:
+                rescale_gradient(grad, grad_output, applied)  # on the device, no sync; a no-op for 1
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 

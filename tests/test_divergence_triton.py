@@ -29,6 +29,15 @@ gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="large vocab
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-5, torch.float16: 2e-5}
 
 
+@pytest.fixture(params=[0, 1], ids=["pass1_tile_sums", "pass1_lane_sums"])
+def pass1(request):
+    """Both pass-1 variants of the kernel: sums reduced per tile (version 1) and sums kept per lane
+    (``vec_acc=1``, with the cross-entropy-only accumulator on the loss path)."""
+    previous = kdiv.set_config(vec_acc=request.param)
+    yield request.param
+    kdiv.set_config(**previous)
+
+
 def _logits(n: int, v: int, seed: int, scale: float = 3.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, v, generator=g) * scale
@@ -62,7 +71,7 @@ def _check(out: sd.DivergenceOutput, ref: tuple, tol: float, mask: torch.Tensor 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("n", "vocab", "temperature"), [(47, 123, 1.0), (13, 700, 0.7), (7, 1030, 1.9)])
-def test_forward_matches_float64_reference(dtype: torch.dtype, n: int, vocab: int, temperature: float) -> None:
+def test_forward_matches_float64_reference(pass1, dtype: torch.dtype, n: int, vocab: int, temperature: float) -> None:
     v, d = _logits(n, vocab, 1, dtype=dtype), _logits(n, vocab, 2, dtype=dtype)
     _hard_rows(v, d)
     out = sd.divergence(v, d, temperature, backend="triton")
@@ -102,7 +111,7 @@ def test_per_task_sums_mask_and_grid_stride_loop() -> None:
 
 
 @pytest.mark.parametrize(("n", "vocab", "programs"), [(13, 700, 0), (9, 1030, 4)])
-def test_forward_and_gradient_hard_rows_grid_stride(n: int, vocab: int, programs: int) -> None:
+def test_forward_and_gradient_hard_rows_grid_stride(pass1, n: int, vocab: int, programs: int) -> None:
     """Forward and loss gradient against float64 on the hard rows, one program per row and a grid-stride loop
     (4 programs over 9 rows); several tiles a row under the interpreter (tile 256) with a last partial tile."""
     v, d0 = _logits(n, vocab, 31), _logits(n, vocab, 32)
@@ -135,7 +144,7 @@ def test_backends_agree_through_the_public_api() -> None:
 
 @pytest.mark.parametrize(("bad", "needle"), [("nan", "verifier_logits"), ("inf", "drafter_logits"),
                                              ("all_neg_inf", "drafter_logits")])
-def test_kernel_flags_bad_rows(bad: str, needle: str) -> None:
+def test_kernel_flags_bad_rows(pass1, bad: str, needle: str) -> None:
     v, d = _logits(6, 50, 8), _logits(6, 50, 9)
     if bad == "nan":
         v[2, 3] = float("nan")
@@ -149,7 +158,7 @@ def test_kernel_flags_bad_rows(bad: str, needle: str) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
-def test_loss_gradient_matches_autograd_through_reference(dtype: torch.dtype, reduction: str) -> None:
+def test_loss_gradient_matches_autograd_through_reference(pass1, dtype: torch.dtype, reduction: str) -> None:
     n, vocab, temperature = 21, 300, 0.8
     v, d0 = _logits(n, vocab, 10, dtype=dtype), _logits(n, vocab, 11, dtype=dtype)
     v[0, :50] = NEG_INF
@@ -170,7 +179,7 @@ def test_loss_gradient_matches_autograd_through_reference(dtype: torch.dtype, re
     assert bool((d.grad[[3, 4]] == 0).all())
 
 
-def test_loss_without_grad_and_default_weights() -> None:
+def test_loss_without_grad_and_default_weights(pass1) -> None:
     v, d = _logits(7, 130, 13), _logits(7, 130, 14)
     loss = sd.divergence_loss(d, v, backend="triton", reduction="mean")
     ref = divergence_reference(v.double(), d.double(), 1.0)[0].mean()
@@ -178,7 +187,7 @@ def test_loss_without_grad_and_default_weights() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_linear_gradients_match_autograd(dtype: torch.dtype) -> None:
+def test_fused_linear_gradients_match_autograd(pass1, dtype: torch.dtype) -> None:
     n, hidden, vocab = 29, 24, 200
     g = torch.Generator().manual_seed(15)
     h0 = torch.randn(n, hidden, generator=g).to(dtype).to(DEVICE)
@@ -314,7 +323,7 @@ def test_many_chunks_loss_gradient_and_in_place(small_chunks, tiles: int) -> Non
 # ------------------------------------------------------------------------------------------------ GPU-only shapes
 @gpu_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_large_vocabulary_forward(dtype: torch.dtype) -> None:
+def test_large_vocabulary_forward(pass1, dtype: torch.dtype) -> None:
     n, vocab = 64, 151936
     v, d = _logits(n, vocab, 20, scale=2.0, dtype=dtype), _logits(n, vocab, 21, scale=2.0, dtype=dtype)
     _hard_rows(v, d)
@@ -328,7 +337,7 @@ def test_large_vocabulary_forward(dtype: torch.dtype) -> None:
 
 
 @gpu_only
-def test_large_vocabulary_persistent_grid_and_loss() -> None:
+def test_large_vocabulary_persistent_grid_and_loss(pass1) -> None:
     n, vocab = 300, 151936
     v, d0 = _logits(n, vocab, 22, dtype=torch.bfloat16), _logits(n, vocab, 23, dtype=torch.bfloat16)
     previous = kdiv.set_config(programs_per_sm=1)
@@ -397,7 +406,7 @@ def test_strided_task_ids_mask_and_weights() -> None:
     torch.testing.assert_close(loss.double(), loss_ref, rtol=1e-5, atol=1e-5)
 
 
-def test_loss_refuses_bad_rows_on_the_triton_path() -> None:
+def test_loss_refuses_bad_rows_on_the_triton_path(pass1) -> None:
     v, d = _logits(6, 40, 44), _logits(6, 40, 45)
     v[2, 3] = float("nan")
     with pytest.raises(ValueError, match="verifier_logits"):
@@ -424,3 +433,32 @@ def test_fused_linear_refuses_bad_rows() -> None:
         mask = torch.ones(5, dtype=torch.bool, device=DEVICE)
         mask[3] = False
         assert torch.isfinite(sd.fused_linear_divergence_loss(bad_hidden, weight, v, mask=mask, backend=backend))
+
+
+def test_backward_through_a_retained_graph_scales_each_time(pass1) -> None:
+    """The stored gradient is rescaled on the device by the incoming gradient; a second backward through the same
+    graph with another incoming gradient must give that gradient's multiple, not a product of both."""
+    v, d0 = _logits(9, 300, 48), _logits(9, 300, 49)
+    d = d0.clone().requires_grad_()
+    loss = sd.divergence_loss(d, v, temperature=0.9, reduction="mean", backend="triton")
+    (2.5 * loss).backward(retain_graph=True)
+    first = d.grad.clone()
+    d.grad = None
+    (-1.0 * loss).backward(retain_graph=True)
+    second = d.grad.clone()
+    d.grad = None
+    loss.backward()
+    d64 = d0.double().requires_grad_()
+    divergence_reference(v.double(), d64, 0.9)[0].mean().backward()
+    torch.testing.assert_close(first.double(), 2.5 * d64.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(second.double(), -d64.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(d.grad.double(), d64.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_mean_over_an_all_false_mask_is_zero(pass1) -> None:
+    v, d0 = _logits(5, 130, 50), _logits(5, 130, 51)
+    d = d0.clone().requires_grad_()
+    mask = torch.zeros(5, dtype=torch.bool, device=DEVICE)
+    loss = sd.divergence_loss(d, v, reduction="mean", backend="triton", mask=mask)
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and bool((d.grad == 0).all())
