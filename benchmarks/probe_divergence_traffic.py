@@ -121,10 +121,10 @@ def main() -> None:
         ce_ref = kdiv.launch_divergence(ver, dra, 1.0, compute_tv=False, grad_out=grad)[0].clone()
         grad_ref = grad.clone()
         fwd_ref = kdiv.launch_divergence(ver, dra, 1.0)
-        for vec_acc in (0, 1):
-            for block, warps in ((2048, 4), (4096, 8), (2048, 8)):
-                for per_sm, stages in ((0, 1), (2, 1), (2, 2), (2, 3), (3, 2), (4, 2)):
-                    cfg = dict(vec_acc=vec_acc, block=block, num_warps=warps, programs_per_sm=per_sm,
+        for pass1 in (0, 2):
+            for block, warps in ((2048, 4), (4096, 8), (1024, 4)):
+                for per_sm, stages in ((0, 1), (0, 2), (2, 3)):
+                    cfg = dict(pass1=pass1, block=block, num_warps=warps, programs_per_sm=per_sm,
                                stages=stages)
                     previous = kdiv.set_config(**cfg)
                     try:

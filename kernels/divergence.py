@@ -31,6 +31,21 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _max_pair(a0, a1, b0, b1):
+    return tl.maximum(a0, b0), tl.maximum(a1, b1)
+
+
+@triton.jit
+def _sum_four(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
+def _sum_five(a0, a1, a2, a3, a4, b0, b1, b2, b3, b4):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4
+
+
+@triton.jit
 def _divergence_kernel(
     v_ptr, d_ptr, stride_v, stride_d,
     mask_ptr, task_ptr, weight_ptr,
@@ -40,7 +55,7 @@ def _divergence_kernel(
     n_rows, vocab, num_programs, scale2, grad_scale, count_ptr,
     HAS_MASK: tl.constexpr, HAS_TASKS: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     COMPUTE_TV: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr, EVICT_LAST: tl.constexpr,
-    VEC_ACC: tl.constexpr = False, STAGES: tl.constexpr = 1, HAS_COUNT: tl.constexpr = False,
+    PASS1: tl.constexpr = 0, STAGES: tl.constexpr = 1, HAS_COUNT: tl.constexpr = False,
 ):
     LN2: tl.constexpr = 0.6931471805599453
     NEG_INF: tl.constexpr = float("-inf")
@@ -56,7 +71,7 @@ def _divergence_kernel(
             keep = tl.load(mask_ptr + row64) != 0
         if keep:
             # ---- pass 1: online log-sum-exp of both rows, entropy and KL pieces ----
-            if VEC_ACC:
+            if PASS1 == 1:
                 # Sums kept per lane ([BLOCK] vectors rescaled by the tile's scalar max change) and reduced once
                 # per row: two max reductions per tile instead of seven reductions.
                 mx = NEG_INF
@@ -102,6 +117,54 @@ def _divergence_kernel(
                 r = tl.sum(a_v, 0)
                 e = tl.sum(e_v, 0)
                 n_bad = tl.max(bad_v, 0)
+            elif PASS1 == 2:
+                # Version 1's tile sums, each tile's maxima and sums in one multi-operand reduction apiece (fewer
+                # shared-memory round trips and barriers); the loss path accumulates only what H(p, q) needs.
+                mx = NEG_INF
+                my = NEG_INF
+                sx = 0.0
+                sy = 0.0
+                r = 0.0  # CE only: sum w (y - my); else sum w (x - mx)
+                e = 0.0
+                n_bad = 0.0
+                for start in tl.range(0, vocab, BLOCK, num_stages=STAGES):
+                    cols = start + offs
+                    inb = cols < vocab
+                    x = tl.load(v_row + cols, mask=inb, other=NEG_INF)
+                    y = tl.load(d_row + cols, mask=inb, other=NEG_INF)
+                    x = x.to(tl.float32) * scale2
+                    y = y.to(tl.float32) * scale2
+                    tile_mx, tile_my = tl.reduce((x, y), 0, _max_pair)
+                    mx_new = tl.maximum(mx, tile_mx)
+                    my_new = tl.maximum(my, tile_my)
+                    mx_ref = tl.where(mx_new == NEG_INF, 0.0, mx_new)
+                    my_ref = tl.where(my_new == NEG_INF, 0.0, my_new)
+                    cx = tl.exp2(mx - mx_ref)
+                    cy = tl.exp2(my - my_ref)
+                    dx = x - mx_ref
+                    dy = y - my_ref
+                    wx = tl.exp2(dx)
+                    wy = tl.exp2(dy)
+                    fx = x > NEG_INF
+                    fy = y > NEG_INF
+                    both = fx & fy
+                    bad = (fx & (y == NEG_INF)).to(tl.float32)
+                    if COMPUTE_TV:
+                        shift = tl.where(mx == NEG_INF, 0.0, mx - mx_ref)
+                        t_wx, t_wy, t_a, t_e, t_bad = tl.reduce(
+                            (wx, wy, tl.where(fx, wx * dx, 0.0), tl.where(both, wx * (x - y), 0.0), bad), 0,
+                            _sum_five)
+                        e = cx * e + t_e
+                    else:
+                        shift = tl.where(my == NEG_INF, 0.0, my - my_ref)
+                        t_wx, t_wy, t_a, t_bad = tl.reduce((wx, wy, tl.where(both, wx * dy, 0.0), bad), 0,
+                                                           _sum_four)
+                    r = cx * (r + shift * sx) + t_a
+                    n_bad += t_bad
+                    sx = cx * sx + t_wx
+                    sy = cy * sy + t_wy
+                    mx = mx_new
+                    my = my_new
             else:
                 mx = NEG_INF
                 my = NEG_INF
@@ -147,7 +210,7 @@ def _divergence_kernel(
             log2_sy = tl.log2(sy)
             lp = mx + log2_sx
             lq = my + log2_sy
-            if VEC_ACC and not COMPUTE_TV:
+            if PASS1 != 0 and not COMPUTE_TV:
                 # H(p, q) = ln2 (lq - sum p y) = ln2 (log2 sy - sum w (y - my) / sx)
                 kl = 0.0
                 ce = LN2 * (log2_sy - r / sx)
@@ -434,7 +497,7 @@ def _divergence_chunked_kernel(
 # Launch configuration (NOTES_divergence.md); the benchmark overrides it through `set_config` to sweep tile sizes,
 # chunk sizes and grid shapes.
 _DEFAULT_CONFIG: dict[str, int] = {"block": 2048, "num_warps": 4, "programs_per_sm": 0, "programs": 0,
-                                   "evict_last": 0, "interpret_block": 256, "vec_acc": 0, "stages": 1,
+                                   "evict_last": 0, "interpret_block": 256, "pass1": 0, "stages": 1,
                                    "split": 0, "chunk_tiles": 8, "spin": 1, "chunk_programs_per_sm": 0,
                                    "interpret_chunk_tiles": 2}
 _CONFIG: dict[str, int] = dict(_DEFAULT_CONFIG)
@@ -452,7 +515,10 @@ def set_config(**overrides: int | None) -> dict[str, int]:
     launches), ``chunk_programs_per_sm`` (cap on co-resident programs per multiprocessor for ``spin``; 0 = as many as
     fit), ``programs`` (a fixed number of rows in flight: programs for ``split=0``, row groups for ``split=1``;
     0 = off), ``programs_per_sm`` (``split=0`` only: grid of that many programs per multiprocessor), ``evict_last``
-    (``split=0`` only: pass-1 loads ask L2 to keep the row).
+    (``split=0`` only: pass-1 loads ask L2 to keep the row), ``pass1`` (``split=0`` only: 0 = sums reduced per
+    tile, the default; 1 = sums kept per lane, reduced once a row; 2 = one multi-operand reduction per tile; 1 and 2
+    accumulate only the cross-entropy on the loss path), ``stages`` (``split=0`` only, ``pass1`` 1 or 2 and pass 2:
+    ``tl.range`` software-pipelining stages).
     """
     previous = dict(_CONFIG)
     if not overrides:
@@ -582,7 +648,7 @@ def launch_divergence(
         _divergence_kernel[(programs,)](
             *common, n_rows, vocab, programs, LOG2E / temperature, grad_scale / temperature,
             grad_count if grad_count is not None else dummy,
-            **flags, BLOCK=block, EVICT_LAST=bool(_CONFIG["evict_last"]), VEC_ACC=bool(_CONFIG["vec_acc"]),
+            **flags, BLOCK=block, EVICT_LAST=bool(_CONFIG["evict_last"]), PASS1=_CONFIG["pass1"],
             STAGES=max(1, _CONFIG["stages"]), HAS_COUNT=grad_count is not None, num_warps=num_warps,
         )
     else:

@@ -29,11 +29,12 @@ gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="large vocab
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-5, torch.float16: 2e-5}
 
 
-@pytest.fixture(params=[0, 1], ids=["pass1_tile_sums", "pass1_lane_sums"])
+@pytest.fixture(params=[0, 1, 2], ids=["pass1_tile_sums", "pass1_lane_sums", "pass1_fused_reductions"])
 def pass1(request):
-    """Both pass-1 variants of the kernel: sums reduced per tile (version 1) and sums kept per lane
-    (``vec_acc=1``, with the cross-entropy-only accumulator on the loss path)."""
-    previous = kdiv.set_config(vec_acc=request.param)
+    """Every pass-1 variant of the kernel: sums reduced per tile (version 1), sums kept per lane (``pass1=1``) and
+    one multi-operand reduction per tile (``pass1=2``); 1 and 2 use the cross-entropy-only accumulator for the
+    loss."""
+    previous = kdiv.set_config(pass1=request.param)
     yield request.param
     kdiv.set_config(**previous)
 
