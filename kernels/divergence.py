@@ -55,7 +55,8 @@ def _divergence_kernel(
     n_rows, vocab, num_programs, scale2, grad_scale, count_ptr,
     HAS_MASK: tl.constexpr, HAS_TASKS: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     COMPUTE_TV: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr, EVICT_LAST: tl.constexpr,
-    PASS1: tl.constexpr = 0, STAGES: tl.constexpr = 1, HAS_COUNT: tl.constexpr = False,
+    PASS1: tl.constexpr = 0, STAGES1: tl.constexpr = 1, STAGES2: tl.constexpr = 1,
+    HAS_COUNT: tl.constexpr = False,
 ):
     LN2: tl.constexpr = 0.6931471805599453
     NEG_INF: tl.constexpr = float("-inf")
@@ -81,7 +82,7 @@ def _divergence_kernel(
                 a_v = tl.zeros([BLOCK], dtype=tl.float32)  # CE only: sum w (y - my); else r = sum w (x - mx)
                 e_v = tl.zeros([BLOCK], dtype=tl.float32)
                 bad_v = tl.zeros([BLOCK], dtype=tl.int32)
-                for start in tl.range(0, vocab, BLOCK, num_stages=STAGES):
+                for start in tl.range(0, vocab, BLOCK, num_stages=STAGES1):
                     cols = start + offs
                     inb = cols < vocab
                     x = tl.load(v_row + cols, mask=inb, other=NEG_INF)
@@ -127,7 +128,7 @@ def _divergence_kernel(
                 r = 0.0  # CE only: sum w (y - my); else sum w (x - mx)
                 e = 0.0
                 n_bad = 0.0
-                for start in tl.range(0, vocab, BLOCK, num_stages=STAGES):
+                for start in tl.range(0, vocab, BLOCK, num_stages=STAGES1):
                     cols = start + offs
                     inb = cols < vocab
                     x = tl.load(v_row + cols, mask=inb, other=NEG_INF)
@@ -227,7 +228,7 @@ def _divergence_kernel(
                 # ---- pass 2: TV and alpha with the normalisers known (reverse order: L2-warm tiles first) ----
                 acc_abs = tl.zeros([BLOCK], dtype=tl.float32)
                 acc_min = tl.zeros([BLOCK], dtype=tl.float32)
-                for i in tl.range(0, n_tiles, num_stages=STAGES):
+                for i in tl.range(0, n_tiles, num_stages=STAGES2):
                     cols = (n_tiles - 1 - i) * BLOCK + offs
                     inb = cols < vocab
                     x = tl.load(v_row + cols, mask=inb, other=NEG_INF, eviction_policy="evict_first")
@@ -258,7 +259,7 @@ def _divergence_kernel(
                 if HAS_WEIGHTS:
                     w = w * tl.load(weight_ptr + row64).to(tl.float32)
                 g_row = grad_ptr + row64 * stride_g
-                for i in tl.range(0, n_tiles, num_stages=STAGES):
+                for i in tl.range(0, n_tiles, num_stages=STAGES2):
                     cols = (n_tiles - 1 - i) * BLOCK + offs
                     inb = cols < vocab
                     x = tl.load(v_row + cols, mask=inb, other=NEG_INF, eviction_policy="evict_first")
@@ -497,7 +498,7 @@ def _divergence_chunked_kernel(
 # Launch configuration (NOTES_divergence.md); the benchmark overrides it through `set_config` to sweep tile sizes,
 # chunk sizes and grid shapes.
 _DEFAULT_CONFIG: dict[str, int] = {"block": 2048, "num_warps": 4, "programs_per_sm": 0, "programs": 0,
-                                   "evict_last": 0, "interpret_block": 256, "pass1": 0, "stages": 1,
+                                   "evict_last": 0, "interpret_block": 256, "pass1": 0, "stages1": 1, "stages2": 1,
                                    "split": 0, "chunk_tiles": 8, "spin": 1, "chunk_programs_per_sm": 0,
                                    "interpret_chunk_tiles": 2}
 _CONFIG: dict[str, int] = dict(_DEFAULT_CONFIG)
@@ -517,8 +518,8 @@ def set_config(**overrides: int | None) -> dict[str, int]:
     0 = off), ``programs_per_sm`` (``split=0`` only: grid of that many programs per multiprocessor), ``evict_last``
     (``split=0`` only: pass-1 loads ask L2 to keep the row), ``pass1`` (``split=0`` only: 0 = sums reduced per
     tile, the default; 1 = sums kept per lane, reduced once a row; 2 = one multi-operand reduction per tile; 1 and 2
-    accumulate only the cross-entropy on the loss path), ``stages`` (``split=0`` only, ``pass1`` 1 or 2 and pass 2:
-    ``tl.range`` software-pipelining stages).
+    accumulate only the cross-entropy on the loss path), ``stages1`` / ``stages2`` (``split=0`` only: ``tl.range``
+    software-pipelining stages of pass 1 (``pass1`` 1 or 2) / of pass 2).
     """
     previous = dict(_CONFIG)
     if not overrides:
@@ -649,7 +650,8 @@ def launch_divergence(
             *common, n_rows, vocab, programs, LOG2E / temperature, grad_scale / temperature,
             grad_count if grad_count is not None else dummy,
             **flags, BLOCK=block, EVICT_LAST=bool(_CONFIG["evict_last"]), PASS1=_CONFIG["pass1"],
-            STAGES=max(1, _CONFIG["stages"]), HAS_COUNT=grad_count is not None, num_warps=num_warps,
+            STAGES1=max(1, _CONFIG["stages1"]), STAGES2=max(1, _CONFIG["stages2"]),
+            HAS_COUNT=grad_count is not None, num_warps=num_warps,
         )
     else:
         if grad_count is not None:  # the experimental chunked kernel takes the scale on the host
