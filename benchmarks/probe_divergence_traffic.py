@@ -122,8 +122,8 @@ def main() -> None:
         grad_ref = grad.clone()
         fwd_ref = kdiv.launch_divergence(ver, dra, 1.0)
         for pass1 in (0, 2):
-            for block, warps in ((2048, 4), (1024, 4), (1024, 2)):
-                for per_sm, stages2 in ((0, 1), (0, 2), (0, 3)):
+            for block, warps in ((1024, 2), (2048, 2), (512, 1), (1024, 1), (512, 2), (2048, 1)):
+                for per_sm, stages2 in ((0, 1), (0, 3)):
                     cfg = dict(pass1=pass1, block=block, num_warps=warps, programs_per_sm=per_sm,
                                stages2=stages2)
                     previous = kdiv.set_config(**cfg)
