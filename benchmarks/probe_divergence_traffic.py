@@ -73,6 +73,9 @@ def main() -> None:
     parser.add_argument("--no-traffic", action="store_true", help="skip the traffic-only kernels")
     parser.add_argument("--sweep-kernel", action="store_true",
                         help="time the real kernel over pass-1 variant x tile x grid x pipelining stages")
+    parser.add_argument("--configs", default="0:512:1:3:1,2:512:1:3:1",
+                        help="settings for --sweep-kernel: pass1:block:num_warps:stages2:stages1,...")
+    parser.add_argument("--no-api", action="store_true", help="skip the public divergence_loss timings")
     args = parser.parse_args()
     n, v = args.n, args.v
     gpu = torch.cuda.get_device_name()
@@ -121,28 +124,28 @@ def main() -> None:
         ce_ref = kdiv.launch_divergence(ver, dra, 1.0, compute_tv=False, grad_out=grad)[0].clone()
         grad_ref = grad.clone()
         fwd_ref = kdiv.launch_divergence(ver, dra, 1.0)
-        for pass1 in (0, 2):
-            for block, warps in ((1024, 2), (2048, 2), (512, 1), (1024, 1), (512, 2), (2048, 1)):
-                for per_sm, stages2 in ((0, 1), (0, 3)):
-                    cfg = dict(pass1=pass1, block=block, num_warps=warps, programs_per_sm=per_sm,
-                               stages2=stages2)
-                    previous = kdiv.set_config(**cfg)
-                    try:
-                        ce = kdiv.launch_divergence(ver, dra, 1.0, compute_tv=False, grad_out=grad)[0]
-                        loss_err = max(float((ce - ce_ref).abs().max()),
-                                       float((grad.float() - grad_ref.float()).abs().max()))
-                        fwd = kdiv.launch_divergence(ver, dra, 1.0)
-                        fwd_err = max(float((a - b).abs().max()) for a, b in zip(fwd[:4], fwd_ref[:4], strict=True))
-                        tag = " ".join(f"{k}={val}" for k, val in cfg.items())
-                        record(f"loss_kernel {tag}", lambda: kdiv.launch_divergence(
-                            ver, dra, 1.0, compute_tv=False, grad_out=grad), 5, f"max|diff| {loss_err:.2e}")
-                        record(f"fwd_kernel {tag}", lambda: kdiv.launch_divergence(ver, dra, 1.0), 4,
-                               f"max|diff| {fwd_err:.2e}")
-                    except Exception as exc:  # noqa: BLE001 - a setting that does not compile is noted
-                        print(f"{cfg}: failed {type(exc).__name__}: {exc}"[:300], flush=True)
-                    finally:
-                        kdiv.set_config(**previous)
+        for item in args.configs.split(","):
+            pass1, block, warps, stages2, stages1 = (int(part) for part in item.split(":"))
+            cfg = dict(pass1=pass1, block=block, num_warps=warps, stages2=stages2, stages1=stages1)
+            previous = kdiv.set_config(**cfg)
+            try:
+                ce = kdiv.launch_divergence(ver, dra, 1.0, compute_tv=False, grad_out=grad)[0]
+                loss_err = max(float((ce - ce_ref).abs().max()),
+                               float((grad.float() - grad_ref.float()).abs().max()))
+                fwd = kdiv.launch_divergence(ver, dra, 1.0)
+                fwd_err = max(float((a - b).abs().max()) for a, b in zip(fwd[:4], fwd_ref[:4], strict=True))
+                tag = " ".join(f"{k}={val}" for k, val in cfg.items())
+                record(f"loss_kernel {tag}", lambda: kdiv.launch_divergence(
+                    ver, dra, 1.0, compute_tv=False, grad_out=grad), 5, f"max|diff| {loss_err:.2e}")
+                record(f"fwd_kernel {tag}", lambda: kdiv.launch_divergence(ver, dra, 1.0), 4,
+                       f"max|diff| {fwd_err:.2e}")
+            except Exception as exc:  # noqa: BLE001 - a setting that does not compile is noted
+                print(f"{cfg}: failed {type(exc).__name__}: {exc}"[:300], flush=True)
+            finally:
+                kdiv.set_config(**previous)
         grad_ref = ce_ref = fwd_ref = None
+    if args.no_api:
+        return write_rows(rows, args.out, gpu, n)
     record("loss_kernel (launch_divergence, grad)",
            lambda: kdiv.launch_divergence(ver, dra, 1.0, compute_tv=False, grad_out=grad), 5)
     record("forward_kernel (launch_divergence, TV)", lambda: kdiv.launch_divergence(ver, dra, 1.0), 4)
@@ -157,8 +160,12 @@ def main() -> None:
             sd.divergence_loss(d_req, ver, reduction="mean", check_inputs=check).backward()
         record(f"divergence_loss fwd check_inputs={check}", fwd, 5)
         record(f"divergence_loss fwd+bwd check_inputs={check}", fwd_bwd, 5)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"divergence_traffic_probe_{gpu.replace(' ', '_')}.csv")
+    write_rows(rows, args.out, gpu, n)
+
+
+def write_rows(rows: list[dict], out: str, gpu: str, n: int) -> None:
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"divergence_traffic_probe_{gpu.replace(' ', '_')}_N{n}.csv")
     with open(path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
