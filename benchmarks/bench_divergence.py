@@ -7,8 +7,12 @@ extra columns (inputs_gib, gbps = bytes of the inputs read once / median time).
 ``peak_mem_gib`` is the peak of ``torch.cuda.max_memory_allocated`` during one call *minus* the memory allocated
 before it (inputs excluded), i.e. the extra memory the op needs.
 
-``specdec_v1`` is the first version's kernel (one program per row, ``set_config(split=0)``), timed in the same
-process for comparison. ``--sweep`` first times launch settings at the target shape and keeps the best.
+``specdec_v1`` is the first version's kernel (one program per row, 2048-column tiles, 4 warps, sums reduced per tile,
+no pipelining: ``V1_SETTINGS``), timed in the same process for comparison. The loss rows (``ce_loss``) time
+``divergence_loss(..., check_inputs=False)`` as the forward rows time ``divergence(..., check_inputs=False)``: like
+the eager, compiled and Liger providers, no host sync; ``specdec_checked`` is the default ``check_inputs=True``
+(one device sync to read the kernel's bad-row flags). The fused-linear rows also pass ``check_inputs=False``.
+``--sweep`` first times launch settings at the target shape and keeps the best.
 
 Usage: ``python benchmarks/bench_divergence.py [--quick] [--sweep] [--shapes NxV,...] [--no-fused] [--out PATH]``.
 """
@@ -32,6 +36,7 @@ import specdec.divergences as sd
 from specdec.kernels import divergence as kdiv
 
 QUANTILES = [0.5, 0.2, 0.8]
+V1_SETTINGS = dict(split=0, block=2048, num_warps=4, pass1=0, stages2=1)
 
 
 def eager_forward(v: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -138,7 +143,7 @@ def main() -> None:
         dra = (torch.randn(n, v, device="cuda", generator=g) * 2).to(dtype)
         grad = torch.empty_like(dra)
         floor_fwd = 2 * ver.numel() * 2
-        configs = [dict(split=0)]
+        configs = [dict(V1_SETTINGS), dict(split=0)]
         configs += [dict(split=1, spin=1, block=b, num_warps=w, chunk_tiles=t, chunk_programs_per_sm=pps)
                     for b, w in ((2048, 4), (4096, 8), (1024, 4)) for t in (2, 4, 8) for pps in (0, 2)
                     if b * t <= 16384]
@@ -177,7 +182,8 @@ def main() -> None:
 
     cfg = dict(kdiv._CONFIG)
     versions += (f";config=split{cfg['split']}_spin{cfg['spin']}_block{cfg['block']}_w{cfg['num_warps']}"
-                 f"_tiles{cfg['chunk_tiles']}_pps{cfg['chunk_programs_per_sm']}")
+                 f"_pass1{cfg['pass1']}_stages2{cfg['stages2']}_tiles{cfg['chunk_tiles']}"
+                 f"_pps{cfg['chunk_programs_per_sm']}")
 
     def with_config(overrides, fn, *fn_args):
         """Run fn(*fn_args) under other launch settings (the first version's kernel: ``split=0``), then restore."""
@@ -203,7 +209,7 @@ def main() -> None:
         # ---- forward: CE, KL, TV (and alpha) per token ----
         safe("divergence", "specdec", n, v, "fwd", lambda: sd.divergence(ver, dra, check_inputs=False),  # noqa: B023
              inputs_bytes, rep)
-        with_config(dict(split=0), safe, "divergence", "specdec_v1", n, v, "fwd",
+        with_config(V1_SETTINGS, safe, "divergence", "specdec_v1", n, v, "fwd",
                     lambda: sd.divergence(ver, dra, check_inputs=False), inputs_bytes, rep)  # noqa: B023
         safe("divergence", "eager", n, v, "fwd", lambda: eager_forward(ver, dra), inputs_bytes, rep)  # noqa: B023
         if compiled_fwd is not None:
@@ -217,6 +223,10 @@ def main() -> None:
         d_req = dra.clone().requires_grad_()
 
         def run_specdec():
+            d_req.grad = None  # noqa: B023
+            sd.divergence_loss(d_req, ver, reduction="mean", check_inputs=False).backward()  # noqa: B023
+
+        def run_specdec_checked():
             d_req.grad = None  # noqa: B023
             sd.divergence_loss(d_req, ver, reduction="mean").backward()  # noqa: B023
 
@@ -233,7 +243,8 @@ def main() -> None:
             liger(torch.log_softmax(d_req.float(), -1), torch.log_softmax(ver.float(), -1)).backward()  # noqa: B023
 
         safe("ce_loss", "specdec", n, v, "fwd+bwd", run_specdec, inputs_bytes, rep)
-        with_config(dict(split=0), safe, "ce_loss", "specdec_v1", n, v, "fwd+bwd", run_specdec, inputs_bytes, rep)
+        safe("ce_loss", "specdec_checked", n, v, "fwd+bwd", run_specdec_checked, inputs_bytes, rep)
+        with_config(V1_SETTINGS, safe, "ce_loss", "specdec_v1", n, v, "fwd+bwd", run_specdec, inputs_bytes, rep)
         safe("ce_loss", "eager", n, v, "fwd+bwd", run_eager, inputs_bytes, rep)
         if compiled_loss is not None:
             safe("ce_loss", "compile", n, v, "fwd+bwd", run_compiled, inputs_bytes, rep)
@@ -258,7 +269,7 @@ def run_fused_linear(n, v, h, dtype, safe, liger) -> None:
 
     def fused():
         hidden.grad = weight.grad = None
-        sd.fused_linear_divergence_loss(hidden, weight, ver, reduction="mean").backward()
+        sd.fused_linear_divergence_loss(hidden, weight, ver, reduction="mean", check_inputs=False).backward()
 
     def eager_fused():
         hidden.grad = weight.grad = None
