@@ -36,13 +36,13 @@ def _max_pair(a0, a1, b0, b1):
 
 
 @triton.jit
-def _sum_four(a0, a1, a2, a3, b0, b1, b2, b3):
-    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+def _sum_three(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, a1 + b1, a2 + b2
 
 
 @triton.jit
-def _sum_five(a0, a1, a2, a3, a4, b0, b1, b2, b3, b4):
-    return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4
+def _sum_four(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
 
 
 @triton.jit
@@ -127,7 +127,6 @@ def _divergence_kernel(
                 sy = 0.0
                 r = 0.0  # CE only: sum w (y - my); else sum w (x - mx)
                 e = 0.0
-                n_bad = 0.0
                 for start in tl.range(0, vocab, BLOCK, num_stages=STAGES1):
                     cols = start + offs
                     inb = cols < vocab
@@ -147,25 +146,24 @@ def _divergence_kernel(
                     wx = tl.exp2(dx)
                     wy = tl.exp2(dy)
                     fx = x > NEG_INF
-                    fy = y > NEG_INF
-                    both = fx & fy
-                    bad = (fx & (y == NEG_INF)).to(tl.float32)
+                    # p > 0 where q = 0 (x finite, y = -inf) is not counted separately: it makes the KL sum +inf
+                    # (x - y = +inf), or the cross-entropy sum -inf (y - my = -inf), or NaN where its weight
+                    # underflowed to 0 (mapped to +inf after the loop)
                     if COMPUTE_TV:
                         shift = tl.where(mx == NEG_INF, 0.0, mx - mx_ref)
-                        t_wx, t_wy, t_a, t_e, t_bad = tl.reduce(
-                            (wx, wy, tl.where(fx, wx * dx, 0.0), tl.where(both, wx * (x - y), 0.0), bad), 0,
-                            _sum_five)
+                        t_wx, t_wy, t_a, t_e = tl.reduce(
+                            (wx, wy, tl.where(fx, wx * dx, 0.0), tl.where(fx, wx * (x - y), 0.0)), 0, _sum_four)
                         e = cx * e + t_e
                     else:
                         shift = tl.where(my == NEG_INF, 0.0, my - my_ref)
-                        t_wx, t_wy, t_a, t_bad = tl.reduce((wx, wy, tl.where(both, wx * dy, 0.0), bad), 0,
-                                                           _sum_four)
+                        t_wx, t_wy, t_a = tl.reduce((wx, wy, tl.where(fx, wx * dy, 0.0)), 0, _sum_three)
                     r = cx * (r + shift * sx) + t_a
-                    n_bad += t_bad
                     sx = cx * sx + t_wx
                     sy = cy * sy + t_wy
                     mx = mx_new
                     my = my_new
+                support_sum = e if COMPUTE_TV else r
+                n_bad = tl.where((support_sum != support_sum) & (sx == sx) & (sy == sy), 1, 0)
             else:
                 mx = NEG_INF
                 my = NEG_INF

@@ -463,3 +463,20 @@ def test_mean_over_an_all_false_mask_is_zero(pass1) -> None:
     loss = sd.divergence_loss(d, v, reduction="mean", backend="triton", mask=mask)
     loss.backward()
     assert float(loss.detach()) == 0.0 and bool((d.grad == 0).all())
+
+
+@pytest.mark.parametrize("bad_column", [10, 640])
+def test_support_mismatch_with_an_underflowing_weight_is_inf(pass1, bad_column: int) -> None:
+    """p > 0 where q = 0 at an entry whose weight 2^(x - max) underflows to 0 in float32 (x = 0 against a maximum of
+    300 at column 650): cross-entropy and KL are +inf as in float64, never NaN. Under the interpreter's 256-column
+    tiles column 10 is two tiles before the maximum (the running sums are rescaled by 0) and column 640 in its tile."""
+    v, d = _logits(3, 700, 52), _logits(3, 700, 53)
+    v[1] = 0.0
+    v[1, 650] = 300.0
+    d[1, bad_column] = NEG_INF
+    out = sd.divergence(v, d, check_inputs=False, backend="triton")
+    ref = divergence_reference(v.double(), d.double(), 1.0)
+    assert torch.isinf(ref[0][1]) and torch.isinf(ref[1][1])
+    _check(out, ref, 2e-5)
+    loss = sd.divergence_loss(d, v, check_inputs=False, backend="triton", mask=torch.arange(3, device=DEVICE) == 1)
+    assert torch.isinf(loss) and loss > 0
