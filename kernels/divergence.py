@@ -11,7 +11,7 @@ One program handles one row (token) at a time (a grid-stride loop over rows), ne
   makes H(p, q) and KL ``+inf``.
 * Pass 2 (only for TV / alpha, or for the gradient) re-reads the row in *reverse* tile order, so that the tiles
   read last by pass 1 are still in L2, with the normalisers known: ``p = 2^(x - Lp)``, ``q = 2^(y - Lq)``,
-  accumulating ``sum |p - q|`` and ``sum min(p, q)``, or writing ``grad = w_n s (q - p)`` in the drafter's dtype
+  accumulating ``sum |p - q|`` (alpha = 1 - TV, since sum min(p, q) = sum (p + q - |p - q|) / 2), or writing ``grad = w_n s (q - p)`` in the drafter's dtype
   (``s = 1 / T`` times the reduction factor), computed in float32 from float32 ``p`` and ``q``.
 
 Per-task sums are accumulated with float64 atomics (sums, in any order: not bitwise deterministic) and int64
@@ -56,7 +56,7 @@ def _divergence_kernel(
     HAS_MASK: tl.constexpr, HAS_TASKS: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     COMPUTE_TV: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr, EVICT_LAST: tl.constexpr,
     PASS1: tl.constexpr = 0, STAGES1: tl.constexpr = 1, STAGES2: tl.constexpr = 1,
-    HAS_COUNT: tl.constexpr = False,
+    HAS_COUNT: tl.constexpr = False, TV_ONLY: tl.constexpr = False,
 ):
     LN2: tl.constexpr = 0.6931471805599453
     NEG_INF: tl.constexpr = float("-inf")
@@ -130,19 +130,18 @@ def _divergence_kernel(
                 for start in tl.range(0, vocab, BLOCK, num_stages=STAGES1):
                     cols = start + offs
                     inb = cols < vocab
-                    x = tl.load(v_row + cols, mask=inb, other=NEG_INF)
-                    y = tl.load(d_row + cols, mask=inb, other=NEG_INF)
-                    x = x.to(tl.float32) * scale2
-                    y = y.to(tl.float32) * scale2
+                    # raw logits: the scale (> 0) goes into the maxima and into one multiply-add per entry
+                    x = tl.load(v_row + cols, mask=inb, other=NEG_INF).to(tl.float32)
+                    y = tl.load(d_row + cols, mask=inb, other=NEG_INF).to(tl.float32)
                     tile_mx, tile_my = tl.reduce((x, y), 0, _max_pair)
-                    mx_new = tl.maximum(mx, tile_mx)
-                    my_new = tl.maximum(my, tile_my)
+                    mx_new = tl.maximum(mx, tile_mx * scale2)
+                    my_new = tl.maximum(my, tile_my * scale2)
                     mx_ref = tl.where(mx_new == NEG_INF, 0.0, mx_new)
                     my_ref = tl.where(my_new == NEG_INF, 0.0, my_new)
                     cx = tl.exp2(mx - mx_ref)
                     cy = tl.exp2(my - my_ref)
-                    dx = x - mx_ref
-                    dy = y - my_ref
+                    dx = x * scale2 - mx_ref
+                    dy = y * scale2 - my_ref
                     wx = tl.exp2(dx)
                     wy = tl.exp2(dy)
                     fx = x > NEG_INF
@@ -153,7 +152,7 @@ def _divergence_kernel(
                         shift = tl.where(mx == NEG_INF, 0.0, mx - mx_ref)
                         t_wx, t_wy, t_a, t_e = tl.reduce(
                             (wx, wy, tl.where(fx, wx * dx, 0.0), tl.where(fx, wx * (x - y), 0.0)), 0, _sum_four)
-                        e = cx * e + t_e
+                        e = cx * e + t_e  # in raw logit units: times scale2 after the loop
                     else:
                         shift = tl.where(my == NEG_INF, 0.0, my - my_ref)
                         t_wx, t_wy, t_a = tl.reduce((wx, wy, tl.where(fx, wx * dy, 0.0)), 0, _sum_three)
@@ -162,6 +161,7 @@ def _divergence_kernel(
                     sy = cy * sy + t_wy
                     mx = mx_new
                     my = my_new
+                e = e * scale2
                 support_sum = e if COMPUTE_TV else r
                 n_bad = tl.where((support_sum != support_sum) & (sx == sx) & (sy == sy), 1, 0)
             else:
@@ -231,14 +231,16 @@ def _divergence_kernel(
                     inb = cols < vocab
                     x = tl.load(v_row + cols, mask=inb, other=NEG_INF, eviction_policy="evict_first")
                     y = tl.load(d_row + cols, mask=inb, other=NEG_INF, eviction_policy="evict_first")
-                    x = x.to(tl.float32) * scale2
-                    y = y.to(tl.float32) * scale2
-                    px = tl.exp2(x - lp)
-                    qy = tl.exp2(y - lq)
+                    px = tl.exp2(x.to(tl.float32) * scale2 - lp)
+                    qy = tl.exp2(y.to(tl.float32) * scale2 - lq)
                     acc_abs += tl.abs(px - qy)
-                    acc_min += tl.minimum(px, qy)
+                    if not TV_ONLY:
+                        acc_min += tl.minimum(px, qy)
                 tv = tl.minimum(tl.maximum(0.5 * tl.sum(acc_abs, 0), 0.0), 1.0)
-                alpha = tl.minimum(tl.maximum(tl.sum(acc_min, 0), 0.0), 1.0)
+                if TV_ONLY:  # sum min(p, q) = sum (p + q - |p - q|) / 2 = 1 - TV for normalised p, q
+                    alpha = 1.0 - tv
+                else:
+                    alpha = tl.minimum(tl.maximum(tl.sum(acc_min, 0), 0.0), 1.0)
                 tl.store(tv_ptr + row64, tv)
                 tl.store(alpha_ptr + row64, alpha)
                 if HAS_TASKS:
@@ -497,6 +499,7 @@ def _divergence_chunked_kernel(
 # chunk sizes and grid shapes.
 _DEFAULT_CONFIG: dict[str, int] = {"block": 0, "num_warps": 0, "programs_per_sm": 0, "programs": 0,
                                    "evict_last": 0, "interpret_block": 256, "pass1": -1, "stages1": 1, "stages2": 3,
+                                   "tv_only": 1,
                                    "split": 0, "chunk_tiles": 8, "spin": 1, "chunk_programs_per_sm": 0,
                                    "interpret_chunk_tiles": 2}
 _CONFIG: dict[str, int] = dict(_DEFAULT_CONFIG)
@@ -519,7 +522,8 @@ def set_config(**overrides: int | None) -> dict[str, int]:
     tile (version 1); 1 = sums kept per lane, reduced once a row; 2 = one multi-operand reduction per tile; 1 and 2
     accumulate only the cross-entropy on the loss path; -1 = the default: 2 for the loss, and for the forward with
     one-warp programs, else 0), ``stages1`` / ``stages2`` (``split=0`` only: ``tl.range`` software-pipelining
-    stages of pass 1 (``pass1`` 1 or 2) / of pass 2; default 1 / 3).
+    stages of pass 1 (``pass1`` 1 or 2) / of pass 2; default 1 / 3), ``tv_only`` (``split=0`` only: 1 = pass 2
+    sums only |p - q| and alpha = 1 - TV, the default; 0 = it also sums min(p, q)).
     """
     previous = dict(_CONFIG)
     if not overrides:
@@ -674,7 +678,7 @@ def launch_divergence(
             grad_count if grad_count is not None else dummy,
             **flags, BLOCK=block, EVICT_LAST=bool(_CONFIG["evict_last"]), PASS1=pass1,
             STAGES1=max(1, _CONFIG["stages1"]), STAGES2=max(1, _CONFIG["stages2"]),
-            HAS_COUNT=grad_count is not None, num_warps=num_warps,
+            HAS_COUNT=grad_count is not None, TV_ONLY=bool(_CONFIG["tv_only"]), num_warps=num_warps,
         )
     else:
         if grad_count is not None:  # the experimental chunked kernel takes the scale on the host

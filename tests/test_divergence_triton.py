@@ -34,7 +34,8 @@ def pass1(request):
     """Every pass-1 variant of the kernel: sums reduced per tile (version 1), sums kept per lane (``pass1=1``) and
     one multi-operand reduction per tile (``pass1=2``); 1 and 2 use the cross-entropy-only accumulator for the
     loss."""
-    previous = kdiv.set_config(pass1=request.param)
+    # version 1 with its pass 2 (sums min(p, q) too); the others with the default (alpha = 1 - TV)
+    previous = kdiv.set_config(pass1=request.param, tv_only=int(request.param != 0))
     yield request.param
     kdiv.set_config(**previous)
 
