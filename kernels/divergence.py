@@ -11,8 +11,9 @@ One program handles one row (token) at a time (a grid-stride loop over rows), ne
   makes H(p, q) and KL ``+inf``.
 * Pass 2 (only for TV / alpha, or for the gradient) re-reads the row in *reverse* tile order, so that the tiles
   read last by pass 1 are still in L2, with the normalisers known: ``p = 2^(x - Lp)``, ``q = 2^(y - Lq)``,
-  accumulating ``sum |p - q|`` (alpha = 1 - TV, since sum min(p, q) = sum (p + q - |p - q|) / 2), or writing ``grad = w_n s (q - p)`` in the drafter's dtype
-  (``s = 1 / T`` times the reduction factor), computed in float32 from float32 ``p`` and ``q``.
+  accumulating ``sum |p - q|`` (alpha = 1 - TV, since sum min(p, q) = sum (p + q - |p - q|) / 2), or writing
+  ``grad = w_n s (q - p)`` in the drafter's dtype (``s = 1 / T`` times the reduction factor), computed in float32
+  from float32 ``p`` and ``q``.
 
 Per-task sums are accumulated with float64 atomics (sums, in any order: not bitwise deterministic) and int64
 counts. A per-row status word flags bad input: bit 0 the verifier row, bit 1 the drafter row (NaN, +inf, or all
