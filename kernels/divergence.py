@@ -58,7 +58,6 @@ def _divergence_kernel(
     COMPUTE_TV: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr, EVICT_LAST: tl.constexpr,
     PASS1: tl.constexpr = 0, STAGES1: tl.constexpr = 1, STAGES2: tl.constexpr = 1,
     HAS_COUNT: tl.constexpr = False, TV_ONLY: tl.constexpr = False,
-    FOLD_SCALE: tl.constexpr = False,
 ):
     LN2: tl.constexpr = 0.6931471805599453
     NEG_INF: tl.constexpr = float("-inf")
@@ -132,27 +131,17 @@ def _divergence_kernel(
                 for start in tl.range(0, vocab, BLOCK, num_stages=STAGES1):
                     cols = start + offs
                     inb = cols < vocab
-                    x = tl.load(v_row + cols, mask=inb, other=NEG_INF).to(tl.float32)
-                    y = tl.load(d_row + cols, mask=inb, other=NEG_INF).to(tl.float32)
-                    if not FOLD_SCALE:
-                        x = x * scale2
-                        y = y * scale2
+                    x = tl.load(v_row + cols, mask=inb, other=NEG_INF).to(tl.float32) * scale2
+                    y = tl.load(d_row + cols, mask=inb, other=NEG_INF).to(tl.float32) * scale2
                     tile_mx, tile_my = tl.reduce((x, y), 0, _max_pair)
-                    if FOLD_SCALE:  # raw logits: the scale (> 0) goes into the maxima and one multiply-add per entry
-                        tile_mx = tile_mx * scale2
-                        tile_my = tile_my * scale2
                     mx_new = tl.maximum(mx, tile_mx)
                     my_new = tl.maximum(my, tile_my)
                     mx_ref = tl.where(mx_new == NEG_INF, 0.0, mx_new)
                     my_ref = tl.where(my_new == NEG_INF, 0.0, my_new)
                     cx = tl.exp2(mx - mx_ref)
                     cy = tl.exp2(my - my_ref)
-                    if FOLD_SCALE:
-                        dx = x * scale2 - mx_ref
-                        dy = y * scale2 - my_ref
-                    else:
-                        dx = x - mx_ref
-                        dy = y - my_ref
+                    dx = x - mx_ref
+                    dy = y - my_ref
                     wx = tl.exp2(dx)
                     wy = tl.exp2(dy)
                     fx = x > NEG_INF
@@ -163,7 +152,7 @@ def _divergence_kernel(
                         shift = tl.where(mx == NEG_INF, 0.0, mx - mx_ref)
                         t_wx, t_wy, t_a, t_e = tl.reduce(
                             (wx, wy, tl.where(fx, wx * dx, 0.0), tl.where(fx, wx * (x - y), 0.0)), 0, _sum_four)
-                        e = cx * e + t_e  # in raw logit units: times scale2 after the loop
+                        e = cx * e + t_e
                     else:
                         shift = tl.where(my == NEG_INF, 0.0, my - my_ref)
                         t_wx, t_wy, t_a = tl.reduce((wx, wy, tl.where(fx, wx * dy, 0.0)), 0, _sum_three)
@@ -172,8 +161,6 @@ def _divergence_kernel(
                     sy = cy * sy + t_wy
                     mx = mx_new
                     my = my_new
-                if FOLD_SCALE:
-                    e = e * scale2
                 support_sum = e if COMPUTE_TV else r
                 n_bad = tl.where((support_sum != support_sum) & (sx == sx) & (sy == sy), 1, 0)
             else:
@@ -511,7 +498,7 @@ def _divergence_chunked_kernel(
 # chunk sizes and grid shapes.
 _DEFAULT_CONFIG: dict[str, int] = {"block": 0, "num_warps": 0, "programs_per_sm": 0, "programs": 0,
                                    "evict_last": 0, "interpret_block": 256, "pass1": -1, "stages1": 1, "stages2": 3,
-                                   "tv_only": 1, "fold_scale": 0,
+                                   "tv_only": 1,
                                    "split": 0, "chunk_tiles": 8, "spin": 1, "chunk_programs_per_sm": 0,
                                    "interpret_chunk_tiles": 2}
 _CONFIG: dict[str, int] = dict(_DEFAULT_CONFIG)
@@ -535,8 +522,7 @@ def set_config(**overrides: int | None) -> dict[str, int]:
     accumulate only the cross-entropy on the loss path; -1 = the default: 2 for the loss, and for the forward with
     one-warp programs, else 0), ``stages1`` / ``stages2`` (``split=0`` only: ``tl.range`` software-pipelining
     stages of pass 1 (``pass1`` 1 or 2) / of pass 2; default 1 / 3), ``tv_only`` (``split=0`` only: 1 = pass 2
-    sums only |p - q| and alpha = 1 - TV, the default; 0 = it also sums min(p, q)), ``fold_scale`` (``pass1=2``
-    only: 1 = raw logits, the temperature scale folded into the maxima and one multiply-add per entry).
+    sums only |p - q| and alpha = 1 - TV, the default; 0 = it also sums min(p, q)).
     """
     previous = dict(_CONFIG)
     if not overrides:
@@ -691,8 +677,7 @@ def launch_divergence(
             grad_count if grad_count is not None else dummy,
             **flags, BLOCK=block, EVICT_LAST=bool(_CONFIG["evict_last"]), PASS1=pass1,
             STAGES1=max(1, _CONFIG["stages1"]), STAGES2=max(1, _CONFIG["stages2"]),
-            HAS_COUNT=grad_count is not None, TV_ONLY=bool(_CONFIG["tv_only"]),
-            FOLD_SCALE=bool(_CONFIG["fold_scale"]), num_warps=num_warps,
+            HAS_COUNT=grad_count is not None, TV_ONLY=bool(_CONFIG["tv_only"]), num_warps=num_warps,
         )
     else:
         if grad_count is not None:  # the experimental chunked kernel takes the scale on the host

@@ -29,15 +29,13 @@ gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="large vocab
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-5, torch.float16: 2e-5}
 
 
-@pytest.fixture(params=[0, 1, 2, 3], ids=["pass1_tile_sums", "pass1_lane_sums", "pass1_fused_reductions",
-                                        "pass1_fused_reductions_folded_scale"])
+@pytest.fixture(params=[0, 1, 2], ids=["pass1_tile_sums", "pass1_lane_sums", "pass1_fused_reductions"])
 def pass1(request):
     """Every pass-1 variant of the kernel: sums reduced per tile (version 1), sums kept per lane (``pass1=1``) and
     one multi-operand reduction per tile (``pass1=2``); 1 and 2 use the cross-entropy-only accumulator for the
     loss."""
     # version 1 with its pass 2 (sums min(p, q) too); the others with the default (alpha = 1 - TV)
-    previous = kdiv.set_config(pass1=min(request.param, 2), tv_only=int(request.param != 0),
-                               fold_scale=int(request.param == 3))
+    previous = kdiv.set_config(pass1=request.param, tv_only=int(request.param != 0))
     yield request.param
     kdiv.set_config(**previous)
 
