@@ -22,6 +22,7 @@ counts. A per-row status word flags bad input: bit 0 the verifier row, bit 1 the
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -544,8 +545,7 @@ def _auto_tile(n_rows: int, device: torch.device) -> tuple[int, int]:
     """``(block, num_warps)`` of the one-program-per-row kernel by rows per multiprocessor (H200 sweeps of
     NOTES_divergence.md, version 5): small programs (one warp, 512 columns) when there are enough rows to keep every
     multiprocessor busy with them, larger ones when rows are few."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    rows_per_sm = n_rows / max(sms, 1)
+    rows_per_sm = n_rows / sm_count(device)
     if rows_per_sm >= 16:
         return 512, 1
     if rows_per_sm >= 4:
@@ -569,8 +569,7 @@ def _launch_params(n_rows: int, vocab: int, device: torch.device,
     if _CONFIG["programs"] > 0:
         programs = min(n_rows, _CONFIG["programs"])
     elif _CONFIG["programs_per_sm"] > 0 and device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        programs = min(n_rows, sms * _CONFIG["programs_per_sm"])
+        programs = min(n_rows, sm_count(device) * _CONFIG["programs_per_sm"])
     pass1 = _CONFIG["pass1"]
     if pass1 < 0:  # measured: fused reductions win for the loss everywhere, for the forward with one-warp programs
         pass1 = 2 if (not compute_tv or num_warps == 1) else 0
@@ -692,7 +691,7 @@ def launch_divergence(
             per_sm = _resident_per_sm(key, num_warps)
             if _CONFIG["chunk_programs_per_sm"] > 0:
                 per_sm = min(per_sm, _CONFIG["chunk_programs_per_sm"])
-            resident = torch.cuda.get_device_properties(device).multi_processor_count * per_sm
+            resident = sm_count(device) * per_sm
             groups = min(groups, resident // n_chunks)
             spin = groups >= 1
             groups = max(groups, 1)
@@ -732,6 +731,8 @@ def divergence_triton(
 
 
 def _weighted_total(ce: torch.Tensor, weights: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
+    if weights is None and mask is None:
+        return ce.sum()
     w = torch.ones_like(ce) if weights is None else weights.to(torch.float32)
     if mask is not None:
         w = torch.where(mask, w, torch.zeros_like(w))
@@ -739,9 +740,13 @@ def _weighted_total(ce: torch.Tensor, weights: torch.Tensor | None, mask: torch.
 
 
 @triton.jit
-def _rescale_gradient_kernel(grad_ptr, upstream_ptr, applied_ptr, numel, num_programs, BLOCK: tl.constexpr):
-    """grad *= upstream / applied in place, skipped (every program returns at once) when the ratio is exactly 1."""
-    factor = tl.load(upstream_ptr).to(tl.float32) / tl.load(applied_ptr)
+def _rescale_gradient_kernel(grad_ptr, upstream_ptr, previous_ptr, numel, num_programs, HAS_PREVIOUS: tl.constexpr,
+                             BLOCK: tl.constexpr):
+    """grad *= upstream / previous (previous = 1 when absent) in place; every program returns at once when the ratio
+    is exactly 1."""
+    factor = tl.load(upstream_ptr).to(tl.float32)
+    if HAS_PREVIOUS:
+        factor = factor / tl.load(previous_ptr).to(tl.float32)
     if factor != 1.0:
         offs = tl.arange(0, BLOCK).to(tl.int64)
         for start in range(tl.program_id(0) * BLOCK, numel, num_programs * BLOCK):
@@ -751,21 +756,28 @@ def _rescale_gradient_kernel(grad_ptr, upstream_ptr, applied_ptr, numel, num_pro
             tl.store(grad_ptr + idx, (g * factor).to(grad_ptr.dtype.element_ty), mask=inb)
 
 
-def rescale_gradient(grad: torch.Tensor, upstream: torch.Tensor, applied: torch.Tensor) -> None:
-    """Scale ``grad`` (contiguous) in place by ``upstream / applied`` (1-element tensors on its device), then record
-    ``applied = upstream``, without a host sync: the usual ``loss.backward()`` (upstream 1) costs one tiny launch
-    instead of a ``torch.equal`` round trip, and a second backward through a retained graph stays correct."""
+def rescale_gradient(grad: torch.Tensor, upstream: torch.Tensor, previous: torch.Tensor | None) -> None:
+    """Scale ``grad`` (dense) in place by ``upstream / previous`` (1-element tensors on its device; ``previous`` =
+    the upstream gradient of an earlier backward through the same graph, which ``grad`` already carries, or None),
+    without a host sync: the usual ``loss.backward()`` (upstream 1) costs one launch whose programs return at once,
+    instead of a ``torch.equal`` round trip."""
     numel = grad.numel()
     block = 4096 if not _interpreting() else 256
-    programs = max(1, min(triton.cdiv(numel, block), 4 * _sm_count(grad.device)))
-    _rescale_gradient_kernel[(programs,)](grad, upstream, applied, numel, programs, BLOCK=block, num_warps=4)
-    applied.copy_(upstream.reshape(1).to(torch.float32))
+    programs = max(1, min(triton.cdiv(numel, block), 4 * sm_count(grad.device)))
+    _rescale_gradient_kernel[(programs,)](grad, upstream, previous if previous is not None else upstream, numel,
+                                          programs, HAS_PREVIOUS=previous is not None, BLOCK=block, num_warps=4)
 
 
-def _sm_count(device: torch.device) -> int:
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (cached: the properties query costs microseconds per call); 1 elsewhere."""
     if device.type != "cuda":
         return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 class DivergenceLossFunction(torch.autograd.Function):
@@ -796,7 +808,7 @@ class DivergenceLossFunction(torch.autograd.Function):
         if check_inputs:
             raise_on_bad_status(status)
         ctx.save_for_backward(grad)
-        ctx.applied = torch.ones(1, dtype=torch.float32, device=drafter_logits.device) if needs_grad else None
+        ctx.previous_upstream = None
         total = _weighted_total(ce, weights, mask) * scale
         return total if count is None else total / count.clamp_min(1.0).reshape(())
 
@@ -805,7 +817,8 @@ class DivergenceLossFunction(torch.autograd.Function):
         (grad,) = ctx.saved_tensors
         if grad is None:
             return None, None, None, None, None, None, None
-        rescale_gradient(grad, grad_output, ctx.applied)
+        rescale_gradient(grad, grad_output, ctx.previous_upstream)
+        ctx.previous_upstream = grad_output  # what grad now carries, for a second backward through a retained graph
         return grad, None, None, None, None, None, None
 
 
@@ -826,5 +839,5 @@ def raise_on_bad_status(status: torch.Tensor) -> None:
             raise ValueError(f"{name} contains NaN or +inf, or a row with every entry -inf: p or q would be undefined")
 
 
-__all__ = ["DivergenceLossFunction", "chunk_layout", "rescale_gradient", "divergence_loss_triton", "divergence_triton",
-           "launch_divergence", "raise_on_bad_status", "set_config", "LOG2E"]
+__all__ = ["DivergenceLossFunction", "chunk_layout", "divergence_loss_triton", "divergence_triton",
+           "launch_divergence", "raise_on_bad_status", "rescale_gradient", "set_config", "sm_count", "LOG2E"]

@@ -125,8 +125,9 @@ def cross_entropy_rows(verifier_logits: torch.Tensor, drafter_logits: torch.Tens
     """Differentiable [N] ``H(p_n, q_n)`` for the training loss; the verifier side is detached.
 
     Uses plain autograd: ``d H / d drafter_logits = (q - p) / T``. Entries with ``p = 0`` contribute nothing (no NaN
-    from ``0 * -inf``); ``p > 0`` where ``q = 0`` gives ``+inf`` with the finite gradient ``(q - p) / T``.
+    from ``0 * -inf``); ``p > 0`` where ``q = 0`` gives ``+inf`` with the finite gradient ``(q - p) / T``; a NaN ``p``
+    (unchecked NaN logits) gives NaN.
     """
     p = torch.softmax(verifier_logits.detach().to(compute_dtype) / temperature, dim=-1)
     log_q = torch.log_softmax(drafter_logits.to(compute_dtype) / temperature, dim=-1)
-    return -torch.where(p > 0, p * log_q, torch.zeros((), dtype=compute_dtype, device=p.device)).sum(dim=-1)
+    return -torch.where(p != 0, p * log_q, torch.zeros((), dtype=compute_dtype, device=p.device)).sum(dim=-1)

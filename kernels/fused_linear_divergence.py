@@ -78,16 +78,17 @@ class FusedLinearDivergenceFunction(torch.autograd.Function):
         if grad_weight is not None and weight.dtype != torch.float32:
             grad_weight = grad_weight.to(weight.dtype)
         ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.applied = [torch.ones(1, dtype=torch.float32, device=hidden.device) for _ in range(2)]
+        ctx.previous_upstream = None
         total = _weighted_total(ce, weights, mask) * scale
         return total if count is None else total / count.clamp_min(1.0).reshape(())
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
-        for grad, applied in zip((grad_hidden, grad_weight), ctx.applied, strict=True):
+        for grad in (grad_hidden, grad_weight):
             if grad is not None:
-                rescale_gradient(grad, grad_output, applied)  # on the device, no sync; a no-op for 1
+                rescale_gradient(grad, grad_output, ctx.previous_upstream)  # on the device, no sync
+        ctx.previous_upstream = grad_output  # what the gradients now carry (a retained graph's next backward)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 

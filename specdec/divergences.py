@@ -129,13 +129,14 @@ def _check_mask(mask: torch.Tensor | None, num_rows: int) -> None:
         raise ValueError(f"mask must have shape [N] = [{num_rows}], got {tuple(mask.shape)}")
 
 
-def _check_weights(weights: torch.Tensor | None, num_rows: int) -> None:
+def _check_weights(weights: torch.Tensor | None, num_rows: int, check_values: bool = True) -> None:
+    """Shape and dtype of ``weights``; with ``check_values`` also finiteness (one device sync)."""
     if weights is None:
         return
     check_tensor(weights, "weights", 1, float_dtype=True, shape_doc="[N]")
     if weights.shape[0] != num_rows:
         raise ValueError(f"weights must have shape [N] = [{num_rows}], got {tuple(weights.shape)}")
-    if not torch.isfinite(weights).all():
+    if check_values and not torch.isfinite(weights).all():
         raise ValueError("weights must be finite (no NaN or inf)")
 
 
@@ -259,8 +260,9 @@ def divergence_loss(
         reduction: "sum" = ``sum_n w_n H_n``; "mean" = that sum divided by the number of counted tokens.
         backend: "auto", "triton" or "torch" (plain autograd through the reference).
         mask: optional [N] bool, True = token counted (False = weight 0, zero gradient).
-        check_inputs: raise ValueError when a counted row holds NaN or +inf or is all ``-inf`` (p or q undefined);
-            costs a device sync (on the Triton path the kernel flags such rows, no extra pass over [N, V]). Pass
+        check_inputs: raise ValueError when a counted row holds NaN or +inf or is all ``-inf`` (p or q undefined),
+            or ``weights`` is not finite; costs a device sync (on the Triton path the kernel flags such rows, no extra
+            pass over [N, V]). Pass
             False inside training loops: the Triton path then never syncs with the host (a masked mean's count and
             the backward's scaling stay on the device), and such rows give a NaN loss instead of an error.
 
@@ -272,7 +274,7 @@ def divergence_loss(
     num_rows, _ = _check_logit_pair(drafter_logits, verifier_logits, "drafter_logits", "verifier_logits")
     temperature = check_temperature(temperature, allow_zero=False)
     reduction = _check_reduction(reduction)
-    _check_weights(weights, num_rows)
+    _check_weights(weights, num_rows, check_values=check_inputs)
     _check_mask(mask, num_rows)
     device = check_same_device(drafter_logits=drafter_logits, verifier_logits=verifier_logits, weights=weights,
                                mask=mask)
@@ -310,7 +312,8 @@ def fused_linear_divergence_loss(
         weights, temperature, reduction, backend, mask: as in :func:`divergence_loss`.
         chunk_size: tokens per chunk on the Triton path (default: about 2**27 logits per chunk).
         check_inputs: raise ValueError when a counted row of ``verifier_logits`` or of the drafter logits holds NaN
-            or +inf or is all ``-inf`` (one device sync; the Triton path reads the kernel's flags, no extra pass).
+            or +inf or is all ``-inf``, or ``weights`` is not finite (one device sync; the Triton path reads the
+            kernel's flags, no extra pass). False: no host sync.
 
     Returns:
         0-dim loss (float32; float64 for float64 inputs on the torch path) with gradients for ``drafter_hidden``
@@ -336,7 +339,7 @@ def fused_linear_divergence_loss(
                          f"got {tuple(verifier_logits.shape)}")
     temperature = check_temperature(temperature, allow_zero=False)
     reduction = _check_reduction(reduction)
-    _check_weights(weights, num_rows)
+    _check_weights(weights, num_rows, check_values=check_inputs)
     _check_mask(mask, num_rows)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")

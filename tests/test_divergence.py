@@ -269,3 +269,15 @@ def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         sd.divergence(GOOD_V, GOOD_D, backend="triton")
+
+
+def test_divergence_loss_without_checks_propagates_nan_instead_of_raising() -> None:
+    """check_inputs=False skips every value check (the Triton path then never syncs with the host): non-finite
+    weights or logits give a NaN loss, as in torch.nn.functional.cross_entropy, instead of a ValueError."""
+    weights = torch.tensor([1.0, NAN, 1.0, 1.0])
+    assert torch.isnan(sd.divergence_loss(GOOD_D, GOOD_V, weights, check_inputs=False))
+    bad_v = GOOD_V.clone()
+    bad_v[1, 3] = NAN
+    assert torch.isnan(sd.divergence_loss(GOOD_D, bad_v, check_inputs=False))
+    with pytest.raises(ValueError, match="weights"):
+        sd.divergence_loss(GOOD_D, GOOD_V, weights)

@@ -481,3 +481,10 @@ def test_support_mismatch_with_an_underflowing_weight_is_inf(pass1, bad_column: 
     _check(out, ref, 2e-5)
     loss = sd.divergence_loss(d, v, check_inputs=False, backend="triton", mask=torch.arange(3, device=DEVICE) == 1)
     assert torch.isinf(loss) and loss > 0
+
+
+def test_unchecked_nan_logits_give_a_nan_loss(pass1) -> None:
+    v, d = _logits(4, 300, 54), _logits(4, 300, 55)
+    v[2, 7] = float("nan")
+    assert torch.isnan(sd.divergence_loss(d, v, check_inputs=False, backend="triton"))
+    assert torch.isnan(sd.divergence_loss(d, v, check_inputs=False, backend="torch"))
