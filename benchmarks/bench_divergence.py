@@ -5,7 +5,7 @@ Every provider runs in this one process on one card. Rows go to ``benchmarks/res
 extra columns (inputs_gib, gbps = bytes of the inputs read once / median time).
 
 ``peak_mem_gib`` is the peak of ``torch.cuda.max_memory_allocated`` during one call *minus* the memory allocated
-before it (inputs excluded), i.e. the extra memory the op needs.
+before it (inputs excluded), i.e. the extra memory the op needs, gradients included (``.grad`` is dropped first).
 
 ``specdec_v1`` is the first version's kernel (one program per row, 2048-column tiles, 4 warps, sums reduced per tile,
 no pipelining: ``V1_SETTINGS``), timed in the same process for comparison. The loss rows (``ce_loss``) time
@@ -123,8 +123,10 @@ def main() -> None:
         print(f"{kernel:14s} {provider:10s} N={n:6d} V={v:6d} {pass_:8s} {med:9.3f} ms "
               f"[{p20:.3f},{p80:.3f}] extra={mem:7.2f} GiB  {row['gbps']} GB/s", flush=True)
 
-    def safe(kernel, provider, n, v, pass_, fn, inputs_bytes, rep=100):
+    def safe(kernel, provider, n, v, pass_, fn, inputs_bytes, rep=100, reset=None):
         try:
+            if reset is not None:  # e.g. drop .grad left by the previous provider: its buffer is not "before"
+                reset()
             mem = peak_extra_gib(fn)
             timing = bench(fn, rep=rep)
         except torch.OutOfMemoryError:
@@ -242,14 +244,18 @@ def main() -> None:
             d_req.grad = None  # noqa: B023
             liger(torch.log_softmax(d_req.float(), -1), torch.log_softmax(ver.float(), -1)).backward()  # noqa: B023
 
-        safe("ce_loss", "specdec", n, v, "fwd+bwd", run_specdec, inputs_bytes, rep)
-        safe("ce_loss", "specdec_checked", n, v, "fwd+bwd", run_specdec_checked, inputs_bytes, rep)
-        with_config(V1_SETTINGS, safe, "ce_loss", "specdec_v1", n, v, "fwd+bwd", run_specdec, inputs_bytes, rep)
-        safe("ce_loss", "eager", n, v, "fwd+bwd", run_eager, inputs_bytes, rep)
+        def drop_grad():
+            d_req.grad = None  # noqa: B023
+
+        safe("ce_loss", "specdec", n, v, "fwd+bwd", run_specdec, inputs_bytes, rep, drop_grad)
+        safe("ce_loss", "specdec_checked", n, v, "fwd+bwd", run_specdec_checked, inputs_bytes, rep, drop_grad)
+        with_config(V1_SETTINGS, safe, "ce_loss", "specdec_v1", n, v, "fwd+bwd", run_specdec, inputs_bytes, rep,
+                    drop_grad)
+        safe("ce_loss", "eager", n, v, "fwd+bwd", run_eager, inputs_bytes, rep, drop_grad)
         if compiled_loss is not None:
-            safe("ce_loss", "compile", n, v, "fwd+bwd", run_compiled, inputs_bytes, rep)
+            safe("ce_loss", "compile", n, v, "fwd+bwd", run_compiled, inputs_bytes, rep, drop_grad)
         if liger is not None:
-            safe("ce_loss", "liger", n, v, "fwd+bwd", run_liger, inputs_bytes, rep)
+            safe("ce_loss", "liger", n, v, "fwd+bwd", run_liger, inputs_bytes, rep, drop_grad)
         ver = dra = d_req = None
         gc.collect()
         torch.cuda.empty_cache()
@@ -276,15 +282,18 @@ def run_fused_linear(n, v, h, dtype, safe, liger) -> None:
         eager_loss(hidden @ weight.t(), ver).backward()
 
     inputs_bytes = ver.numel() * 2
-    safe("fused_linear", "specdec", n, v, "fwd+bwd", fused, inputs_bytes, 300)
-    safe("fused_linear", "eager", n, v, "fwd+bwd", eager_fused, inputs_bytes, 300)
+    def drop_grads():
+        hidden.grad = weight.grad = None
+
+    safe("fused_linear", "specdec", n, v, "fwd+bwd", fused, inputs_bytes, 300, drop_grads)
+    safe("fused_linear", "eager", n, v, "fwd+bwd", eager_fused, inputs_bytes, 300, drop_grads)
     if liger is not None:
         def liger_fused():
             hidden.grad = weight.grad = None
             logits = hidden @ weight.t()
             liger(torch.log_softmax(logits.float(), -1), torch.log_softmax(ver.float(), -1)).backward()
 
-        safe("fused_linear", "liger", n, v, "fwd+bwd", liger_fused, inputs_bytes, 300)
+        safe("fused_linear", "liger", n, v, "fwd+bwd", liger_fused, inputs_bytes, 300, drop_grads)
 
 
 def write_summary(rows: list[dict], out_path: str, copy_gbps: float) -> None:
