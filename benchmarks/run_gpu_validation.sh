@@ -3,6 +3,7 @@
 #   bash benchmarks/run_gpu_validation.sh tests-rejection   # tests/test_rejection_triton.py (~7 min on an H200)
 #   bash benchmarks/run_gpu_validation.sh tests-rest        # every other test module (~3 min)
 #   bash benchmarks/run_gpu_validation.sh bench             # rejection benchmark at the README's shapes (~3 min)
+#   bash benchmarks/run_gpu_validation.sh bench-divergence  # divergence benchmark, README shapes (~2 min on an H200)
 # Optional, git-ignored inputs (the GPU machine is offline): .whl/*.whl (liger-kernel, pytest and their
 # dependencies, from `pip download --no-deps`), .fi/ (an unpacked FlashInfer source tree, see issue 3); without
 # them the FlashInfer / Liger providers are skipped and noted in the CSV.
@@ -34,6 +35,11 @@ case "$MODE" in
       --shapes 151936:1:4,151936:8:4,151936:32:4,151936:128:8,128256:128:8,32000:1:4,32000:32:8,32000:128:1 \
       > "$OUT/rejection_bench_log${TAG:-_validation}.txt" 2>&1
     echo "bench rc=$? in $(( $(date +%s) - t0 )) s"; tail -12 "$OUT/rejection_bench_log${TAG:-_validation}.txt" ;;
-  *) echo "unknown mode $MODE (tests-rejection, tests-rest, bench)"; exit 2 ;;
+  bench-divergence)
+    timeout "${SECONDS_LIMIT:-560}" python3 benchmarks/bench_divergence.py \
+      --out "$OUT/divergence_$(python3 -c 'import torch; print(torch.cuda.get_device_name().replace(" ", "_"))')${TAG:-_validation}.csv" \
+      > "$OUT/divergence_bench_log${TAG:-_validation}.txt" 2>&1
+    echo "bench rc=$? in $(( $(date +%s) - t0 )) s"; tail -11 "$OUT/divergence_bench_log${TAG:-_validation}.txt" ;;
+  *) echo "unknown mode $MODE (tests-rejection, tests-rest, bench, bench-divergence)"; exit 2 ;;
 esac
 grep -hE "^FAILED|^ERROR" "$OUT"/gpu_tests_*.txt 2>/dev/null | head -20
