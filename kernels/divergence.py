@@ -8,12 +8,14 @@ One program handles one row (token) at a time (a grid-stride loop over rows), ne
   ``r = sum w (x - mx)`` and ``e = sum w (x - y)`` with ``w = 2^(x - mx)``. Then, in nats,
   ``H(p) = ln2 (log2 sx - r / sx)``, ``KL = ln2 (e / sx - (mx + log2 sx) + (my + log2 sy))`` (clamped at 0) and
   ``H(p, q) = H(p) + KL``. Entries with ``x = -inf`` contribute nothing; an entry with ``x > -inf`` and ``y = -inf``
-  makes H(p, q) and KL ``+inf``.
+  makes H(p, q) and KL ``+inf``. The loss path (``pass1`` 1 or 2, the default) needs only the cross-entropy and
+  accumulates ``t = sum w (y - my)`` instead: ``H(p, q) = ln2 (log2 sy - t / sx)``. With ``pass1=2`` such
+  ``y = -inf`` entries are not counted apart: they make ``e`` +inf (or ``t`` -inf), and a sum turned NaN by an
+  underflowed weight times an infinite difference is read as +inf.
 * Pass 2 (only for TV / alpha, or for the gradient) re-reads the row in *reverse* tile order, so that the tiles
   read last by pass 1 are still in L2, with the normalisers known: ``p = 2^(x - Lp)``, ``q = 2^(y - Lq)``,
-  accumulating ``sum |p - q|`` (alpha = 1 - TV, since sum min(p, q) = sum (p + q - |p - q|) / 2), or writing
-  ``grad = w_n s (q - p)`` in the drafter's dtype (``s = 1 / T`` times the reduction factor), computed in float32
-  from float32 ``p`` and ``q``.
+  accumulating ``sum |p - q|`` and ``sum min(p, q)``, or writing ``grad = w_n s (q - p)`` in the drafter's dtype
+  (``s = 1 / T`` times the reduction factor), computed in float32 from float32 ``p`` and ``q``.
 
 Per-task sums are accumulated with float64 atomics (sums, in any order: not bitwise deterministic) and int64
 counts. A per-row status word flags bad input: bit 0 the verifier row, bit 1 the drafter row (NaN, +inf, or all
@@ -28,6 +30,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 LOG2E = 1.4426950408889634
 
@@ -58,7 +61,7 @@ def _divergence_kernel(
     HAS_MASK: tl.constexpr, HAS_TASKS: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     COMPUTE_TV: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr, EVICT_LAST: tl.constexpr,
     PASS1: tl.constexpr = 0, STAGES1: tl.constexpr = 1, STAGES2: tl.constexpr = 1,
-    HAS_COUNT: tl.constexpr = False, TV_ONLY: tl.constexpr = False,
+    HAS_COUNT: tl.constexpr = False,
 ):
     LN2: tl.constexpr = 0.6931471805599453
     NEG_INF: tl.constexpr = float("-inf")
@@ -234,13 +237,10 @@ def _divergence_kernel(
                     px = tl.exp2(x.to(tl.float32) * scale2 - lp)
                     qy = tl.exp2(y.to(tl.float32) * scale2 - lq)
                     acc_abs += tl.abs(px - qy)
-                    if not TV_ONLY:
-                        acc_min += tl.minimum(px, qy)
+                    acc_min += tl.minimum(px, qy)
                 tv = tl.minimum(tl.maximum(0.5 * tl.sum(acc_abs, 0), 0.0), 1.0)
-                if TV_ONLY:  # sum min(p, q) = sum (p + q - |p - q|) / 2 = 1 - TV for normalised p, q
-                    alpha = 1.0 - tv
-                else:
-                    alpha = tl.minimum(tl.maximum(tl.sum(acc_min, 0), 0.0), 1.0)
+                # summed, not 1 - TV: keeps relative precision when p and q barely overlap
+                alpha = tl.minimum(tl.maximum(tl.sum(acc_min, 0), 0.0), 1.0)
                 tl.store(tv_ptr + row64, tv)
                 tl.store(alpha_ptr + row64, alpha)
                 if HAS_TASKS:
@@ -499,7 +499,6 @@ def _divergence_chunked_kernel(
 # chunk sizes and grid shapes.
 _DEFAULT_CONFIG: dict[str, int] = {"block": 0, "num_warps": 0, "programs_per_sm": 0, "programs": 0,
                                    "evict_last": 0, "interpret_block": 256, "pass1": -1, "stages1": 1, "stages2": 3,
-                                   "tv_only": 1,
                                    "split": 0, "chunk_tiles": 8, "spin": 1, "chunk_programs_per_sm": 0,
                                    "interpret_chunk_tiles": 2}
 _CONFIG: dict[str, int] = dict(_DEFAULT_CONFIG)
@@ -522,8 +521,7 @@ def set_config(**overrides: int | None) -> dict[str, int]:
     tile (version 1); 1 = sums kept per lane, reduced once a row; 2 = one multi-operand reduction per tile; 1 and 2
     accumulate only the cross-entropy on the loss path; -1 = the default: 2 for the loss, and for the forward with
     one-warp programs, else 0), ``stages1`` / ``stages2`` (``split=0`` only: ``tl.range`` software-pipelining
-    stages of pass 1 (``pass1`` 1 or 2) / of pass 2; default 1 / 3), ``tv_only`` (``split=0`` only: 1 = pass 2
-    sums only |p - q| and alpha = 1 - TV, the default; 0 = it also sums min(p, q)).
+    stages of pass 1 (``pass1`` 1 or 2) / of pass 2; default 1 / 3).
     """
     previous = dict(_CONFIG)
     if not overrides:
@@ -676,7 +674,7 @@ def launch_divergence(
             grad_count if grad_count is not None else dummy,
             **flags, BLOCK=block, EVICT_LAST=bool(_CONFIG["evict_last"]), PASS1=pass1,
             STAGES1=max(1, _CONFIG["stages1"]), STAGES2=max(1, _CONFIG["stages2"]),
-            HAS_COUNT=grad_count is not None, TV_ONLY=bool(_CONFIG["tv_only"]), num_warps=num_warps,
+            HAS_COUNT=grad_count is not None, num_warps=num_warps,
         )
     else:
         if grad_count is not None:  # the experimental chunked kernel takes the scale on the host
@@ -740,13 +738,9 @@ def _weighted_total(ce: torch.Tensor, weights: torch.Tensor | None, mask: torch.
 
 
 @triton.jit
-def _rescale_gradient_kernel(grad_ptr, upstream_ptr, previous_ptr, numel, num_programs, HAS_PREVIOUS: tl.constexpr,
-                             BLOCK: tl.constexpr):
-    """grad *= upstream / previous (previous = 1 when absent) in place; every program returns at once when the ratio
-    is exactly 1."""
+def _rescale_gradient_kernel(grad_ptr, upstream_ptr, numel, num_programs, BLOCK: tl.constexpr):
+    """grad *= upstream in place; every program returns at once when upstream is exactly 1."""
     factor = tl.load(upstream_ptr).to(tl.float32)
-    if HAS_PREVIOUS:
-        factor = factor / tl.load(previous_ptr).to(tl.float32)
     if factor != 1.0:
         offs = tl.arange(0, BLOCK).to(tl.int64)
         for start in range(tl.program_id(0) * BLOCK, numel, num_programs * BLOCK):
@@ -756,16 +750,26 @@ def _rescale_gradient_kernel(grad_ptr, upstream_ptr, previous_ptr, numel, num_pr
             tl.store(grad_ptr + idx, (g * factor).to(grad_ptr.dtype.element_ty), mask=inb)
 
 
-def rescale_gradient(grad: torch.Tensor, upstream: torch.Tensor, previous: torch.Tensor | None) -> None:
-    """Scale ``grad`` (dense) in place by ``upstream / previous`` (1-element tensors on its device; ``previous`` =
-    the upstream gradient of an earlier backward through the same graph, which ``grad`` already carries, or None),
-    without a host sync: the usual ``loss.backward()`` (upstream 1) costs one launch whose programs return at once,
-    instead of a ``torch.equal`` round trip."""
+def rescale_gradient(grad: torch.Tensor, upstream: torch.Tensor) -> None:
+    """Scale ``grad`` (dense) in place by ``upstream`` (a 1-element tensor on its device) without a host sync: the
+    usual ``loss.backward()`` (upstream 1) costs one launch whose programs return at once, instead of a
+    ``torch.equal`` round trip."""
     numel = grad.numel()
     block = 4096 if not _interpreting() else 256
     programs = max(1, min(triton.cdiv(numel, block), 4 * sm_count(grad.device)))
-    _rescale_gradient_kernel[(programs,)](grad, upstream, previous if previous is not None else upstream, numel,
-                                          programs, HAS_PREVIOUS=previous is not None, BLOCK=block, num_warps=4)
+    _rescale_gradient_kernel[(programs,)](grad, upstream, numel, programs, BLOCK=block, num_warps=4)
+
+
+SECOND_BACKWARD = ("the Triton path of {name} computes the gradient in the forward pass and hands that buffer out, "
+                   "scaled in place, on the first backward; a second backward through the same graph "
+                   "(retain_graph=True) is not supported: compute the loss again, or use backend='torch'")
+
+
+def check_first_backward(ctx, name: str) -> None:
+    """RuntimeError on a second backward through the same graph (the stored gradient was already handed out)."""
+    if getattr(ctx, "backward_done", False):
+        raise RuntimeError(SECOND_BACKWARD.format(name=name))
+    ctx.backward_done = True
 
 
 @functools.cache
@@ -784,7 +788,9 @@ class DivergenceLossFunction(torch.autograd.Function):
     """``sum_n w_n H(p_n, q_n)`` (or its mean) with the drafter-logit gradient computed in the forward pass.
 
     No host sync unless ``check_inputs``: a masked mean's token count stays on the device and the backward scales
-    the stored gradient by the incoming one on the device (nothing to do for the usual ``loss.backward()``)."""
+    the stored gradient in place by the incoming one on the device (nothing to do for the usual
+    ``loss.backward()``). Hence one backward per graph: a second one (``retain_graph=True``) raises RuntimeError,
+    and double backward (``create_graph=True``) is not supported."""
 
     @staticmethod
     def forward(ctx, drafter_logits: torch.Tensor, verifier_logits: torch.Tensor, weights: torch.Tensor | None,
@@ -808,17 +814,17 @@ class DivergenceLossFunction(torch.autograd.Function):
         if check_inputs:
             raise_on_bad_status(status)
         ctx.save_for_backward(grad)
-        ctx.previous_upstream = None
         total = _weighted_total(ce, weights, mask) * scale
         return total if count is None else total / count.clamp_min(1.0).reshape(())
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_output: torch.Tensor):
+        check_first_backward(ctx, "divergence_loss")
         (grad,) = ctx.saved_tensors
         if grad is None:
             return None, None, None, None, None, None, None
-        rescale_gradient(grad, grad_output, ctx.previous_upstream)
-        ctx.previous_upstream = grad_output  # what grad now carries, for a second backward through a retained graph
+        rescale_gradient(grad, grad_output)
         return grad, None, None, None, None, None, None
 
 
@@ -840,4 +846,5 @@ def raise_on_bad_status(status: torch.Tensor) -> None:
 
 
 __all__ = ["DivergenceLossFunction", "chunk_layout", "divergence_loss_triton", "divergence_triton",
-           "launch_divergence", "raise_on_bad_status", "rescale_gradient", "set_config", "sm_count", "LOG2E"]
+           "check_first_backward", "launch_divergence", "raise_on_bad_status", "rescale_gradient", "set_config",
+           "sm_count", "LOG2E"]

@@ -6,15 +6,16 @@ with ``dL/dlogits = w_n s (q - p) / T``; then ``grad_h_c = dlogits_c W`` and ``g
 float32 accumulator (a float32-output matrix product where the device has one, else float32 operands). Peak extra
 memory is one [C, V] chunk, the [V, H] float32 weight-gradient accumulator and the [N, H] hidden gradient.
 
-The gradients are computed in the forward pass and scaled by the incoming gradient in the backward pass, on the
-device (no host sync unless ``check_inputs``).
+The gradients are computed in the forward pass and scaled in place by the incoming gradient in the backward pass,
+on the device (no host sync unless ``check_inputs``): one backward per graph (a second raises RuntimeError).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
-from .divergence import _weighted_total, launch_divergence, raise_on_bad_status, rescale_gradient
+from .divergence import _weighted_total, check_first_backward, launch_divergence, raise_on_bad_status, rescale_gradient
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 27  # logits per chunk: 256 MiB in bf16
 
@@ -78,17 +79,17 @@ class FusedLinearDivergenceFunction(torch.autograd.Function):
         if grad_weight is not None and weight.dtype != torch.float32:
             grad_weight = grad_weight.to(weight.dtype)
         ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.previous_upstream = None
         total = _weighted_total(ce, weights, mask) * scale
         return total if count is None else total / count.clamp_min(1.0).reshape(())
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_output: torch.Tensor):
+        check_first_backward(ctx, "fused_linear_divergence_loss")
         grad_hidden, grad_weight = ctx.saved_tensors
         for grad in (grad_hidden, grad_weight):
             if grad is not None:
-                rescale_gradient(grad, grad_output, ctx.previous_upstream)  # on the device, no sync
-        ctx.previous_upstream = grad_output  # what the gradients now carry (a retained graph's next backward)
+                rescale_gradient(grad, grad_output)  # in place on the device, no sync
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 

@@ -269,7 +269,8 @@ def divergence_loss(
     Returns:
         0-dim loss: float32, or float64 for float64 logits on the torch path. On the Triton path the gradient is
         computed during the forward pass (one extra write of [N, V] in the drafter's dtype, no [N, V] float32
-        intermediates) and scaled by the incoming gradient.
+        intermediates) and scaled in place by the incoming gradient on the device, so one backward per graph: a
+        second backward through the same graph (``retain_graph=True``) raises RuntimeError.
     """
     num_rows, _ = _check_logit_pair(drafter_logits, verifier_logits, "drafter_logits", "verifier_logits")
     temperature = check_temperature(temperature, allow_zero=False)
@@ -318,8 +319,8 @@ def fused_linear_divergence_loss(
     Returns:
         0-dim loss (float32; float64 for float64 inputs on the torch path) with gradients for ``drafter_hidden``
         and ``lm_head_weight``. The Triton path computes logits chunk by chunk, runs the divergence kernel in place
-        on each chunk and accumulates the weight gradient in float32; the torch path is plain autograd
-        (materialises [N, V]).
+        on each chunk and accumulates the weight gradient in float32 (one backward per graph, as for
+        :func:`divergence_loss`); the torch path is plain autograd (materialises [N, V]).
     """
     check_tensor(drafter_hidden, "drafter_hidden", 2, float_dtype=True, shape_doc="[N, H]")
     check_tensor(lm_head_weight, "lm_head_weight", 2, float_dtype=True, shape_doc="[V, H]")
