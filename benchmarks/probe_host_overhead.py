@@ -55,7 +55,7 @@ def main() -> None:
     for name, fn in [("divergence_loss fwd+bwd", fwd_bwd), ("divergence_loss fwd (no grad)", fwd_only),
                      ("launch_divergence", lambda: kdiv.launch_divergence(ver, dra, 1.0, compute_tv=False,
                                                                           grad_out=grad)),
-                     ("rescale_gradient (upstream 1)", lambda: kdiv.rescale_gradient(grad, one, None)),
+                     ("rescale_gradient (upstream 1)", lambda: kdiv.rescale_gradient(grad, one)),
                      ("divergence fwd", lambda: sd.divergence(ver, dra, check_inputs=False))]:
         host, wall = per_call_us(fn)
         print(f"{name:32s} host {host:8.1f} us/call   wall {wall:8.1f} us/call", flush=True)
