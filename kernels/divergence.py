@@ -498,7 +498,7 @@ def _divergence_chunked_kernel(
 # Launch configuration (NOTES_divergence.md); the benchmark overrides it through `set_config` to sweep tile sizes,
 # chunk sizes and grid shapes.
 _DEFAULT_CONFIG: dict[str, int] = {"block": 0, "num_warps": 0, "programs_per_sm": 0, "programs": 0,
-                                   "evict_last": 0, "interpret_block": 256, "pass1": -1, "stages1": 1, "stages2": 3,
+                                   "evict_last": 0, "interpret_block": 256, "pass1": 2, "stages1": 1, "stages2": 0,
                                    "split": 0, "chunk_tiles": 8, "spin": 1, "chunk_programs_per_sm": 0,
                                    "interpret_chunk_tiles": 2}
 _CONFIG: dict[str, int] = dict(_DEFAULT_CONFIG)
@@ -518,10 +518,9 @@ def set_config(**overrides: int | None) -> dict[str, int]:
     fit), ``programs`` (a fixed number of rows in flight: programs for ``split=0``, row groups for ``split=1``;
     0 = off), ``programs_per_sm`` (``split=0`` only: grid of that many programs per multiprocessor), ``evict_last``
     (``split=0`` only: pass-1 loads ask L2 to keep the row), ``pass1`` (``split=0`` only: 0 = sums reduced per
-    tile (version 1); 1 = sums kept per lane, reduced once a row; 2 = one multi-operand reduction per tile; 1 and 2
-    accumulate only the cross-entropy on the loss path; -1 = the default: 2 for the loss, and for the forward with
-    one-warp programs, else 0), ``stages1`` / ``stages2`` (``split=0`` only: ``tl.range`` software-pipelining
-    stages of pass 1 (``pass1`` 1 or 2) / of pass 2; default 1 / 3).
+    tile (version 1); 1 = sums kept per lane, reduced once a row; 2 = one multi-operand reduction per tile, the
+    default; 1 and 2 accumulate only the cross-entropy on the loss path), ``stages1`` / ``stages2`` (``split=0``
+    only: ``tl.range`` software-pipelining stages of pass 1 (``pass1`` 1 or 2) / of pass 2; 0 = by device).
     """
     previous = dict(_CONFIG)
     if not overrides:
@@ -539,26 +538,35 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _auto_tile(n_rows: int, device: torch.device) -> tuple[int, int]:
-    """``(block, num_warps)`` of the one-program-per-row kernel by rows per multiprocessor (H200 sweeps of
-    NOTES_divergence.md, version 5): small programs (one warp, 512 columns) when there are enough rows to keep every
-    multiprocessor busy with them, larger ones when rows are few."""
+@functools.cache
+def _cuda_device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def _auto_tile(n_rows: int, device: torch.device) -> tuple[int, int, int]:
+    """``(block, num_warps, pass-2 pipelining stages)`` of the one-program-per-row kernel, from same-process sweeps
+    (NOTES_divergence.md, version 5). On the H200 small programs (one warp, 512 columns, pass 2 pipelined over 3
+    stages) win when there are >= 16 rows per multiprocessor, 1024 columns / 2 warps from 4 rows per SM; on the
+    H100 (and, untested, anything else) 2048 columns / 4 warps without pipelining did best."""
+    name = _cuda_device_name(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else ""
+    if "H200" not in name:
+        return 2048, 4, 1
     rows_per_sm = n_rows / sm_count(device)
     if rows_per_sm >= 16:
-        return 512, 1
+        return 512, 1, 3
     if rows_per_sm >= 4:
-        return 1024, 2
-    return 2048, 4
+        return 1024, 2, 3
+    return 2048, 4, 3
 
 
-def _launch_params(n_rows: int, vocab: int, device: torch.device,
-                   compute_tv: bool = True) -> tuple[int, int, int, int]:
-    """``(block, num_warps, programs, pass1)`` from the configuration (0 / -1 entries: chosen here)."""
-    block, num_warps = _CONFIG["block"], _CONFIG["num_warps"]
-    if block <= 0 or num_warps <= 0:
-        auto_block, auto_warps = (2048, 4) if _CONFIG["split"] else _auto_tile(n_rows, device)
-        block = block if block > 0 else auto_block
-        num_warps = num_warps if num_warps > 0 else auto_warps
+def _launch_params(n_rows: int, vocab: int, device: torch.device) -> tuple[int, int, int, int]:
+    """``(block, num_warps, programs, stages2)`` from the configuration (0 entries: chosen by ``_auto_tile``)."""
+    block, num_warps, stages2 = _CONFIG["block"], _CONFIG["num_warps"], _CONFIG["stages2"]
+    auto_block, auto_warps, auto_stages = (2048, 4, 1) if _CONFIG["split"] else _auto_tile(n_rows, device)
+    block = block if block > 0 else auto_block
+    num_warps = num_warps if num_warps > 0 else auto_warps
+    stages2 = stages2 if stages2 > 0 else auto_stages
     block = min(triton.next_power_of_2(vocab), block)
     if _interpreting():
         block = min(triton.next_power_of_2(vocab), _CONFIG["interpret_block"])  # small tiles: multi-tile paths run
@@ -568,10 +576,7 @@ def _launch_params(n_rows: int, vocab: int, device: torch.device,
         programs = min(n_rows, _CONFIG["programs"])
     elif _CONFIG["programs_per_sm"] > 0 and device.type == "cuda":
         programs = min(n_rows, sm_count(device) * _CONFIG["programs_per_sm"])
-    pass1 = _CONFIG["pass1"]
-    if pass1 < 0:  # measured: fused reductions win for the loss everywhere, for the forward with one-warp programs
-        pass1 = 2 if (not compute_tv or num_warps == 1) else 0
-    return block, num_warps, max(programs, 1), pass1
+    return block, num_warps, max(programs, 1), stages2
 
 
 def chunk_layout(vocab: int, block: int, chunk_tiles: int) -> tuple[int, int]:
@@ -654,7 +659,7 @@ def launch_divergence(
         sums = [torch.zeros(num_tasks, dtype=torch.float64, device=device) for _ in range(4)]
         count = torch.zeros(num_tasks, dtype=torch.int64, device=device)
     dummy = ce
-    block, num_warps, programs, pass1 = _launch_params(n_rows, vocab, device, compute_tv)
+    block, num_warps, programs, stages2 = _launch_params(n_rows, vocab, device)
     write_grad = grad_out is not None
     common = (
         verifier_logits, drafter_logits, verifier_logits.stride(0), drafter_logits.stride(0),
@@ -672,8 +677,8 @@ def launch_divergence(
         _divergence_kernel[(programs,)](
             *common, n_rows, vocab, programs, LOG2E / temperature, grad_scale / temperature,
             grad_count if grad_count is not None else dummy,
-            **flags, BLOCK=block, EVICT_LAST=bool(_CONFIG["evict_last"]), PASS1=pass1,
-            STAGES1=max(1, _CONFIG["stages1"]), STAGES2=max(1, _CONFIG["stages2"]),
+            **flags, BLOCK=block, EVICT_LAST=bool(_CONFIG["evict_last"]), PASS1=_CONFIG["pass1"],
+            STAGES1=max(1, _CONFIG["stages1"]), STAGES2=stages2,
             HAS_COUNT=grad_count is not None, num_warps=num_warps,
         )
     else:
