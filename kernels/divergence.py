@@ -8,7 +8,7 @@ One program handles one row (token) at a time (a grid-stride loop over rows), ne
   ``r = sum w (x - mx)`` and ``e = sum w (x - y)`` with ``w = 2^(x - mx)``. Then, in nats,
   ``H(p) = ln2 (log2 sx - r / sx)``, ``KL = ln2 (e / sx - (mx + log2 sx) + (my + log2 sy))`` (clamped at 0) and
   ``H(p, q) = H(p) + KL``. Entries with ``x = -inf`` contribute nothing; an entry with ``x > -inf`` and ``y = -inf``
-  makes H(p, q) and KL ``+inf``. The loss path (``pass1`` 1 or 2, the default) needs only the cross-entropy and
+  makes H(p, q) and KL ``+inf``. The loss path (``pass1=2``, the default) needs only the cross-entropy and
   accumulates ``t = sum w (y - my)`` instead: ``H(p, q) = ln2 (log2 sy - t / sx)``. With ``pass1=2`` such
   ``y = -inf`` entries are not counted apart: they make ``e`` +inf (or ``t`` -inf), and a sum turned NaN by an
   underflowed weight times an infinite difference is read as +inf.
@@ -24,13 +24,14 @@ counts. A per-row status word flags bad input: bit 0 the verifier row, bit 1 the
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
+
+from ._device import device_name, sm_count
 
 LOG2E = 1.4426950408889634
 
@@ -77,53 +78,7 @@ def _divergence_kernel(
             keep = tl.load(mask_ptr + row64) != 0
         if keep:
             # ---- pass 1: online log-sum-exp of both rows, entropy and KL pieces ----
-            if PASS1 == 1:
-                # Sums kept per lane ([BLOCK] vectors rescaled by the tile's scalar max change) and reduced once
-                # per row: two max reductions per tile instead of seven reductions.
-                mx = NEG_INF
-                my = NEG_INF
-                sx_v = tl.zeros([BLOCK], dtype=tl.float32)
-                sy_v = tl.zeros([BLOCK], dtype=tl.float32)
-                a_v = tl.zeros([BLOCK], dtype=tl.float32)  # CE only: sum w (y - my); else r = sum w (x - mx)
-                e_v = tl.zeros([BLOCK], dtype=tl.float32)
-                bad_v = tl.zeros([BLOCK], dtype=tl.int32)
-                for start in tl.range(0, vocab, BLOCK, num_stages=STAGES1):
-                    cols = start + offs
-                    inb = cols < vocab
-                    x = tl.load(v_row + cols, mask=inb, other=NEG_INF)
-                    y = tl.load(d_row + cols, mask=inb, other=NEG_INF)
-                    x = x.to(tl.float32) * scale2
-                    y = y.to(tl.float32) * scale2
-                    mx_new = tl.maximum(mx, tl.max(x, 0))
-                    my_new = tl.maximum(my, tl.max(y, 0))
-                    mx_ref = tl.where(mx_new == NEG_INF, 0.0, mx_new)
-                    my_ref = tl.where(my_new == NEG_INF, 0.0, my_new)
-                    cx = tl.exp2(mx - mx_ref)
-                    cy = tl.exp2(my - my_ref)
-                    dx = x - mx_ref
-                    dy = y - my_ref
-                    wx = tl.exp2(dx)
-                    fx = x > NEG_INF
-                    fy = y > NEG_INF
-                    both = fx & fy
-                    if COMPUTE_TV:
-                        shift_x = tl.where(mx == NEG_INF, 0.0, mx - mx_ref)
-                        a_v = cx * (a_v + shift_x * sx_v) + tl.where(fx, wx * dx, 0.0)
-                        e_v = cx * e_v + tl.where(both, wx * (x - y), 0.0)
-                    else:
-                        shift_y = tl.where(my == NEG_INF, 0.0, my - my_ref)
-                        a_v = cx * (a_v + shift_y * sx_v) + tl.where(both, wx * dy, 0.0)
-                    bad_v = bad_v | (fx & (y == NEG_INF)).to(tl.int32)
-                    sx_v = cx * sx_v + wx
-                    sy_v = cy * sy_v + tl.exp2(dy)
-                    mx = mx_new
-                    my = my_new
-                sx = tl.sum(sx_v, 0)
-                sy = tl.sum(sy_v, 0)
-                r = tl.sum(a_v, 0)
-                e = tl.sum(e_v, 0)
-                n_bad = tl.max(bad_v, 0)
-            elif PASS1 == 2:
+            if PASS1 == 2:
                 # Version 1's tile sums, each tile's maxima and sums in one multi-operand reduction apiece (fewer
                 # shared-memory round trips and barriers); the loss path accumulates only what H(p, q) needs.
                 mx = NEG_INF
@@ -212,7 +167,7 @@ def _divergence_kernel(
             log2_sy = tl.log2(sy)
             lp = mx + log2_sx
             lq = my + log2_sy
-            if PASS1 != 0 and not COMPUTE_TV:
+            if PASS1 == 2 and not COMPUTE_TV:
                 # H(p, q) = ln2 (lq - sum p y) = ln2 (log2 sy - sum w (y - my) / sx)
                 kl = 0.0
                 ce = LN2 * (log2_sy - r / sx)
@@ -518,9 +473,9 @@ def set_config(**overrides: int | None) -> dict[str, int]:
     fit), ``programs`` (a fixed number of rows in flight: programs for ``split=0``, row groups for ``split=1``;
     0 = off), ``programs_per_sm`` (``split=0`` only: grid of that many programs per multiprocessor), ``evict_last``
     (``split=0`` only: pass-1 loads ask L2 to keep the row), ``pass1`` (``split=0`` only: 0 = sums reduced per
-    tile (version 1); 1 = sums kept per lane, reduced once a row; 2 = one multi-operand reduction per tile, the
-    default; 1 and 2 accumulate only the cross-entropy on the loss path), ``stages1`` / ``stages2`` (``split=0``
-    only: ``tl.range`` software-pipelining stages of pass 1 (``pass1`` 1 or 2) / of pass 2; 0 = by device).
+    tile (version 1); 2 = one multi-operand reduction per tile, accumulating only the cross-entropy on the loss path,
+    the default), ``stages1`` / ``stages2`` (``split=0`` only: ``tl.range`` software-pipelining stages of pass 1
+    (``pass1=2``) / of pass 2; 0 = by device).
     """
     previous = dict(_CONFIG)
     if not overrides:
@@ -538,19 +493,12 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@functools.cache
-def _cuda_device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
-
-
 def _auto_tile(n_rows: int, device: torch.device) -> tuple[int, int, int]:
     """``(block, num_warps, pass-2 pipelining stages)`` of the one-program-per-row kernel, from same-process sweeps
     (NOTES_divergence.md, version 5). On the H200 small programs (one warp, 512 columns, pass 2 pipelined over 3
     stages) win when there are >= 16 rows per multiprocessor, 1024 columns / 2 warps from 4 rows per SM; on the
     H100 (and, untested, anything else) 2048 columns / 4 warps without pipelining did best."""
-    name = _cuda_device_name(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else ""
-    if "H200" not in name:
+    if "H200" not in device_name(device):
         return 2048, 4, 1
     rows_per_sm = n_rows / sm_count(device)
     if rows_per_sm >= 16:
@@ -777,18 +725,6 @@ def check_first_backward(ctx, name: str) -> None:
     ctx.backward_done = True
 
 
-@functools.cache
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device (cached: the properties query costs microseconds per call); 1 elsewhere."""
-    if device.type != "cuda":
-        return 1
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 class DivergenceLossFunction(torch.autograd.Function):
     """``sum_n w_n H(p_n, q_n)`` (or its mean) with the drafter-logit gradient computed in the forward pass.
 
@@ -852,4 +788,4 @@ def raise_on_bad_status(status: torch.Tensor) -> None:
 
 __all__ = ["DivergenceLossFunction", "chunk_layout", "divergence_loss_triton", "divergence_triton",
            "check_first_backward", "launch_divergence", "raise_on_bad_status", "rescale_gradient", "set_config",
-           "sm_count", "LOG2E"]
+           "LOG2E"]

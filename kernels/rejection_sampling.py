@@ -75,6 +75,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._device import sm_count
 from .rejection_sampling_reference import RACE_TILE, RESIDUAL_MASS_EPS, TILE_INDEX_BASE
 from .rng import stream_keys_tl, uniform_from_keys_tl
 
@@ -694,18 +695,6 @@ def _seq_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy_
 # ---------------------------------------------------------------------------------------------------------------
 # Launcher
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
-
-
 _CAPABILITY: dict[int, int] = {}
 
 
@@ -883,7 +872,7 @@ def rejection_sample_triton(
     if batch == 0:
         empty = torch.empty((0, num_drafts), dtype=torch.float32, device=device)
         return tokens, num_accepted, (empty if compute_scores else None), (empty if compute_scores else None)
-    sms = _sm_count(device)
+    sms = sm_count(device)
     if strategy == "auto":
         strategy = "seq" if (batch >= SEQ_MIN_BATCH and not compute_scores) else "split"
     flags = dict(HAS_COUNTS=has_counts, HAS_MASK=has_mask, ALL_GREEDY=all_greedy)

@@ -1,0 +1,33 @@
+"""Cached facts about the device a kernel launches on (the CUDA property queries cost microseconds per call)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+CPU_PROGRAMS = 4  # "multiprocessors" off CUDA (the interpreter): a few programs, so grid-stride loops are exercised
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device; ``CPU_PROGRAMS`` elsewhere."""
+    return _cuda_sm_count(_index(device)) if device.type == "cuda" else CPU_PROGRAMS
+
+
+def device_name(device: torch.device) -> str:
+    """``torch.cuda.get_device_name`` of a CUDA device; ``""`` elsewhere."""
+    return _cuda_name(_index(device)) if device.type == "cuda" else ""
