@@ -138,6 +138,16 @@ SWEEP = {
     "stages_2_5": dict(stages=(2, 5)),
     "stages_1_3_6": dict(stages=(1, 3, 6)),
     "stages_2_4_6": dict(stages=(2, 4, 6)),
+    # fp32 race layout: with 4-byte logits a warp covers 128 ids, so [tiles, 256] blocks put two warps on a tile
+    # (its sums cross warps); one warp per program keeps every per-tile reduction inside the warp
+    "race_t1w1": dict(race_tiles=1, race_warps=1),
+    "race_t2w1": dict(race_tiles=2, race_warps=1),
+    "race_t4w1": dict(race_tiles=4, race_warps=1),
+    "race_t4w2": dict(race_tiles=4, race_warps=2),
+    "race_prog16": dict(race_programs=16),
+    "race_t2w1_prog8": dict(race_tiles=2, race_warps=1, race_programs=8),
+    "race_t1w1_prog16": dict(race_tiles=1, race_warps=1, race_programs=16),
+    "race_t4w4_prog8": dict(race_tiles=4, race_warps=4, race_programs=8),
 }
 # Earlier sweeps (results/rejection_sweep_H200_v5..v9*.csv) also timed other settings; every row records its tune.
 SWEEP_SMALL = ("default", "stats_pf", "stats_nopf", "race_t4w4", "stats_prog8", "pdl0", "stats:default")

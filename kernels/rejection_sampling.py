@@ -739,8 +739,10 @@ SEQ_MIN_BATCH = 1 << 62
 #                   many warps, each warp owns one tile of a [race_tiles, RACE_TILE] block (bf16: 8 ids a thread)
 #                   and the per-tile sums are warp reductions, no barrier
 #   race_warps      race warps
-#                   (race_tiles, race_warps) None: (2, 2) for B <= 2 (more, smaller programs: latency), else (4, 4)
-#   race_programs   race grid target, in programs per SM (splits2 = cdiv(race_programs * SMs, B), capped by tiles)
+#                   (race_tiles, race_warps) None: (2, 2) for B <= 2 (more, smaller programs: latency), else (4, 4);
+#                   fp32 logits with B >= FP32_ONE_WARP_RACE_BATCH: (1, 1), see below
+#   race_programs   race grid target, in programs per SM (splits2 = cdiv(race_programs * SMs, B), capped by tiles);
+#                   None: 4, or 16 with the fp32 one-warp race
 #   stats_programs  stats grid target, in programs per SM
 #   stats_block/warps  stats tile and warps (None: 4096 / 8 warps when the grid has >= 4 tiles per SM, else 1024 / 4)
 #   tight_sp2       combine tiles sized to the real number of splits (v4: always 256 wide on the GPU)
@@ -750,7 +752,7 @@ SEQ_MIN_BATCH = 1 << 62
 #   stats_only      (benchmark breakdown) launch the stats kernel only; outputs are not written
 #   stages          staged statistics (see _stage_plan): positions where a new stats launch starts, rows that
 #                   certainly stopped earlier skip them; None automatic, () one launch
-TUNE_DEFAULT = dict(fuse=True, race_tiles=None, race_warps=None, race_programs=4, stats_programs=4, stats_block=None,
+TUNE_DEFAULT = dict(fuse=True, race_tiles=None, race_warps=None, race_programs=None, stats_programs=4, stats_block=None,
                     stats_warps=None, stats_prefetch=None, tight_sp2=True, pdl=None, stats_only=False, stages=None)
 # automatic choices (None above), each measured on an H200 (benchmarks/NOTES_rejection.md, v5):
 #   stats_prefetch None: on for B >= 16 with the 4096 tile (B (K+1) tiles >= 4 per SM), with 16 warps when the stats
@@ -763,6 +765,14 @@ TUNE_DEFAULT = dict(fuse=True, race_tiles=None, race_warps=None, race_programs=4
 #                   30.0, (128, 8) 86.3 -> 75.9, (8, 8) 21.5 -> 19.3; (128, 1) 33.1 -> 34.8 is the one loss; at
 #                   V = 151936 the 2048 tile loses, e.g. (32, 8) 90.9 -> 97.5)
 FP32_SMALL_VOCAB = 65536
+#   race plan None, fp32 logits with B >= FP32_ONE_WARP_RACE_BATCH: one 256-id tile and one warp per race program,
+#                   16 programs per SM. A warp covers 128 fp32 ids (16-byte loads), so the [tiles, 256] blocks of the
+#                   bf16 plan put two warps on a tile and every per-tile sum crosses warps; with one warp they stay
+#                   shuffles. H100 sweep (results/rejection_sweep_H100_80GB_HBM3_s6_fp32.csv, same process):
+#                   (128, 1, 151936) 132.9 -> 116.1 us, (128, 1, 32000) 36.5 -> 32.4, (32, 8, 32000) 42.1 -> 36.8,
+#                   (128, 4, 32000) 69.8 -> 64.7; (32, 1, 32000) 17.6 -> 18.3 and (32, 4, 32000) 25.9 -> 26.0 the
+#                   exceptions; bf16 (one warp per tile already) loses with it at every measured shape
+FP32_ONE_WARP_RACE_BATCH = 32
 
 
 def _stage_plan(num_positions: int, batch: int, compute_scores: bool, stages, vocab: int = 0,
@@ -912,13 +922,19 @@ def rejection_sample_triton(
         if prefetch and not fp32_small and pairs >= cfg["stats_programs"] * sms:
             auto_warps = 16
     warps = num_warps or cfg["stats_warps"] or auto_warps
-    race_tiles = int(cfg["race_tiles"] or (2 if batch <= 2 else 4))
+    one_warp_race = (target.element_size() == 4 and batch >= FP32_ONE_WARP_RACE_BATCH and not _INTERPRET
+                     and cfg["race_tiles"] is None and cfg["race_warps"] is None and num_warps is None)
+    if one_warp_race:
+        race_tiles = 1
+    else:
+        race_tiles = int(cfg["race_tiles"] or (2 if batch <= 2 else 4))
     if race_tiles < 1 or race_tiles & (race_tiles - 1):
         raise ValueError(f"tune['race_tiles'] must be a power of two >= 1, got {race_tiles}")
     max_splits = num_splits if num_splits is not None else (2 if _INTERPRET else _MAX_SPLITS)
     max_splits = min(max_splits, _MAX_SPLITS)
     chunk, splits = _split_plan(vocab, block, pairs, cfg["stats_programs"] * sms, max_splits)
-    chunk2, splits2 = _split_plan(vocab, race_tiles * RACE_TILE, batch, cfg["race_programs"] * sms, max_splits)
+    race_programs = cfg["race_programs"] or (16 if one_warp_race else 4)
+    chunk2, splits2 = _split_plan(vocab, race_tiles * RACE_TILE, batch, race_programs * sms, max_splits)
     race_warps = num_warps or cfg["race_warps"] or race_tiles  # one warp per tile of a race block
     fuse = bool(cfg["fuse"])
     if _INTERPRET:

@@ -91,6 +91,7 @@ LAUNCH_PLANS = {
     "no_fuse": dict(fuse=False),
     "race_tiles_2": dict(race_tiles=2),
     "prefetch": dict(stats_prefetch=True),
+    "one_warp_race": dict(race_tiles=1, race_warps=1, race_programs=16),  # the fp32 plan for B >= 32 on the GPU
 }
 
 
@@ -374,7 +375,7 @@ GPU_LAUNCH_PLANS = dict(default={}, no_fuse=LAUNCH_PLANS["no_fuse"],
                         prefetch=dict(stats_prefetch=True, stats_block=4096, stats_warps=16),
                         race_tiles4=dict(race_tiles=4, race_warps=4), race_programs8=dict(race_programs=8),
                         no_stats_prefetch=dict(stats_prefetch=False),
-                        pdl1=dict(pdl=1), pdl2=dict(pdl=2))
+                        one_warp_race=LAUNCH_PLANS["one_warp_race"], pdl1=dict(pdl=1), pdl2=dict(pdl=2))
 
 
 @gpu_only
@@ -387,6 +388,16 @@ def test_launch_plans_gpu(plan, batch, num_drafts, vocab):
     greedy_mask = torch.arange(batch, device=DEVICE) % 3 == 1
     assert_matches_reference(*case, 0.7, strategies=("split",), tune=tune, greedy_mask=greedy_mask,
                              compute_scores=True)
+
+
+@gpu_only
+@pytest.mark.parametrize("batch,num_drafts,vocab", [(32, 1, 32000), (64, 8, 151936), (128, 1, 128256)])
+def test_fp32_one_warp_race_plan_gpu(batch, num_drafts, vocab):
+    # fp32 with B >= FP32_ONE_WARP_RACE_BATCH takes the one-warp race plan automatically; scores and greedy rows too
+    case = make_case(batch, num_drafts, vocab, torch.float32, seed=batch * 7 + vocab)
+    assert_matches_reference(*case, 1.0, strategies=("split",))
+    greedy_mask = torch.arange(batch, device=DEVICE) % 3 == 1
+    assert_matches_reference(*case, 0.7, strategies=("split",), greedy_mask=greedy_mask, compute_scores=True)
 
 
 @gpu_only
