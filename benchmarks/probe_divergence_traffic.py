@@ -75,7 +75,7 @@ def main() -> None:
                         help="time the real kernel over pass-1 variant x tile x grid x pipelining stages")
     parser.add_argument("--configs", default="0:512:1:3:1,2:512:1:3:1",
                         help="settings for --sweep-kernel: "
-                             "pass1:block:num_warps:stages2:stages1[:split_tail],...")
+                             "pass1:block:num_warps:stages2:stages1,...")
     parser.add_argument("--no-api", action="store_true", help="skip the public divergence_loss timings")
     args = parser.parse_args()
     n, v = args.n, args.v
@@ -127,7 +127,7 @@ def main() -> None:
         fwd_ref = kdiv.launch_divergence(ver, dra, 1.0)
         for item in args.configs.split(","):
             fields = [int(part) for part in item.split(":")]
-            names = ("pass1", "block", "num_warps", "stages2", "stages1", "split_tail")
+            names = ("pass1", "block", "num_warps", "stages2", "stages1")
             cfg = dict(zip(names, fields, strict=False))
             previous = kdiv.set_config(**cfg)
             try:

@@ -52,77 +52,6 @@ def _sum_four(a0, a1, a2, a3, b0, b1, b2, b3):
 
 
 @triton.jit
-def _load_pair(v_row, d_row, cols, vocab, MASKED: tl.constexpr, policy: tl.constexpr = ""):
-    """Both rows' logits at ``cols`` as loaded (``MASKED``: columns >= vocab read as -inf; the steady state of a
-    row's loop runs unmasked: no per-element select of the fill value)."""
-    if MASKED:
-        inb = cols < vocab
-        x = tl.load(v_row + cols, mask=inb, other=float("-inf"), eviction_policy=policy)
-        y = tl.load(d_row + cols, mask=inb, other=float("-inf"), eviction_policy=policy)
-    else:
-        x = tl.load(v_row + cols, eviction_policy=policy)
-        y = tl.load(d_row + cols, eviction_policy=policy)
-    return x, y
-
-
-@triton.jit
-def _pass1_tile(v_row, d_row, cols, vocab, scale2, mx, my, sx, sy, r, e, COMPUTE_TV: tl.constexpr,
-                MASKED: tl.constexpr):
-    """One pass-1 tile of the ``pass1=2`` kernel: both maxima in one two-operand reduction, the sums in one
-    multi-operand reduction. Returns the updated ``(mx, my, sx, sy, r, e)``."""
-    NEG_INF: tl.constexpr = float("-inf")
-    x, y = _load_pair(v_row, d_row, cols, vocab, MASKED)
-    x = x.to(tl.float32) * scale2
-    y = y.to(tl.float32) * scale2
-    tile_mx, tile_my = tl.reduce((x, y), 0, _max_pair)
-    mx_new = tl.maximum(mx, tile_mx)
-    my_new = tl.maximum(my, tile_my)
-    mx_ref = tl.where(mx_new == NEG_INF, 0.0, mx_new)
-    my_ref = tl.where(my_new == NEG_INF, 0.0, my_new)
-    cx = tl.exp2(mx - mx_ref)
-    cy = tl.exp2(my - my_ref)
-    dx = x - mx_ref
-    dy = y - my_ref
-    wx = tl.exp2(dx)
-    wy = tl.exp2(dy)
-    fx = x > NEG_INF
-    # p > 0 where q = 0 (x finite, y = -inf) is not counted separately: it makes the KL sum +inf (x - y = +inf), or
-    # the cross-entropy sum -inf (y - my = -inf), or NaN where its weight underflowed to 0 (mapped to +inf later)
-    if COMPUTE_TV:
-        shift = tl.where(mx == NEG_INF, 0.0, mx - mx_ref)
-        t_wx, t_wy, t_a, t_e = tl.reduce(
-            (wx, wy, tl.where(fx, wx * dx, 0.0), tl.where(fx, wx * (x - y), 0.0)), 0, _sum_four)
-        e = cx * e + t_e
-    else:
-        shift = tl.where(my == NEG_INF, 0.0, my - my_ref)
-        t_wx, t_wy, t_a = tl.reduce((wx, wy, tl.where(fx, wx * dy, 0.0)), 0, _sum_three)
-    r = cx * (r + shift * sx) + t_a
-    sx = cx * sx + t_wx
-    sy = cy * sy + t_wy
-    return mx_new, my_new, sx, sy, r, e
-
-
-@triton.jit
-def _tv_tile(v_row, d_row, cols, vocab, scale2, lp, lq, acc_abs, acc_min, MASKED: tl.constexpr):
-    """One pass-2 tile: ``acc_abs += |p - q|``, ``acc_min += min(p, q)`` lane-wise."""
-    x, y = _load_pair(v_row, d_row, cols, vocab, MASKED, "evict_first")
-    px = tl.exp2(x.to(tl.float32) * scale2 - lp)
-    qy = tl.exp2(y.to(tl.float32) * scale2 - lq)
-    return acc_abs + tl.abs(px - qy), acc_min + tl.minimum(px, qy)
-
-
-@triton.jit
-def _grad_tile(v_row, d_row, g_row, cols, vocab, scale2, lp, lq, w, MASKED: tl.constexpr):
-    """One gradient tile: ``grad = w (q - p)`` in the gradient's dtype."""
-    x, y = _load_pair(v_row, d_row, cols, vocab, MASKED, "evict_first")
-    g = (tl.exp2(y.to(tl.float32) * scale2 - lq) - tl.exp2(x.to(tl.float32) * scale2 - lp)) * w
-    if MASKED:
-        tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=cols < vocab)
-    else:
-        tl.store(g_row + cols, g.to(g_row.dtype.element_ty))
-
-
-@triton.jit
 def _divergence_kernel(
     v_ptr, d_ptr, stride_v, stride_d,
     mask_ptr, task_ptr, weight_ptr,
@@ -133,14 +62,13 @@ def _divergence_kernel(
     HAS_MASK: tl.constexpr, HAS_TASKS: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     COMPUTE_TV: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr, EVICT_LAST: tl.constexpr,
     PASS1: tl.constexpr = 0, STAGES1: tl.constexpr = 1, STAGES2: tl.constexpr = 1,
-    HAS_COUNT: tl.constexpr = False, SPLIT_TAIL: tl.constexpr = False,
+    HAS_COUNT: tl.constexpr = False,
 ):
     LN2: tl.constexpr = 0.6931471805599453
     NEG_INF: tl.constexpr = float("-inf")
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     n_tiles = tl.cdiv(vocab, BLOCK)
-    n_full = vocab // BLOCK
     for row in range(pid, n_rows, num_programs):
         row64 = tl.cast(row, tl.int64)
         v_row = v_ptr + row64 * stride_v
@@ -159,17 +87,39 @@ def _divergence_kernel(
                 sy = 0.0
                 r = 0.0  # CE only: sum w (y - my); else sum w (x - mx)
                 e = 0.0
-                if SPLIT_TAIL:  # whole tiles unmasked, then the ragged tail: same tiles, same order
-                    for start in tl.range(0, n_full * BLOCK, BLOCK, num_stages=STAGES1):
-                        mx, my, sx, sy, r, e = _pass1_tile(v_row, d_row, start + offs, vocab, scale2, mx, my, sx, sy,
-                                                           r, e, COMPUTE_TV, False)
-                    if n_full < n_tiles:
-                        mx, my, sx, sy, r, e = _pass1_tile(v_row, d_row, n_full * BLOCK + offs, vocab, scale2, mx,
-                                                           my, sx, sy, r, e, COMPUTE_TV, True)
-                else:
-                    for start in tl.range(0, vocab, BLOCK, num_stages=STAGES1):
-                        mx, my, sx, sy, r, e = _pass1_tile(v_row, d_row, start + offs, vocab, scale2, mx, my, sx, sy,
-                                                           r, e, COMPUTE_TV, True)
+                for start in tl.range(0, vocab, BLOCK, num_stages=STAGES1):
+                    cols = start + offs
+                    inb = cols < vocab
+                    x = tl.load(v_row + cols, mask=inb, other=NEG_INF).to(tl.float32) * scale2
+                    y = tl.load(d_row + cols, mask=inb, other=NEG_INF).to(tl.float32) * scale2
+                    tile_mx, tile_my = tl.reduce((x, y), 0, _max_pair)
+                    mx_new = tl.maximum(mx, tile_mx)
+                    my_new = tl.maximum(my, tile_my)
+                    mx_ref = tl.where(mx_new == NEG_INF, 0.0, mx_new)
+                    my_ref = tl.where(my_new == NEG_INF, 0.0, my_new)
+                    cx = tl.exp2(mx - mx_ref)
+                    cy = tl.exp2(my - my_ref)
+                    dx = x - mx_ref
+                    dy = y - my_ref
+                    wx = tl.exp2(dx)
+                    wy = tl.exp2(dy)
+                    fx = x > NEG_INF
+                    # p > 0 where q = 0 (x finite, y = -inf) is not counted separately: it makes the KL sum +inf
+                    # (x - y = +inf), or the cross-entropy sum -inf (y - my = -inf), or NaN where its weight
+                    # underflowed to 0 (mapped to +inf after the loop)
+                    if COMPUTE_TV:
+                        shift = tl.where(mx == NEG_INF, 0.0, mx - mx_ref)
+                        t_wx, t_wy, t_a, t_e = tl.reduce(
+                            (wx, wy, tl.where(fx, wx * dx, 0.0), tl.where(fx, wx * (x - y), 0.0)), 0, _sum_four)
+                        e = cx * e + t_e
+                    else:
+                        shift = tl.where(my == NEG_INF, 0.0, my - my_ref)
+                        t_wx, t_wy, t_a = tl.reduce((wx, wy, tl.where(fx, wx * dy, 0.0)), 0, _sum_three)
+                    r = cx * (r + shift * sx) + t_a
+                    sx = cx * sx + t_wx
+                    sy = cy * sy + t_wy
+                    mx = mx_new
+                    my = my_new
                 support_sum = e if COMPUTE_TV else r
                 n_bad = tl.where((support_sum != support_sum) & (sx == sx) & (sy == sy), 1, 0)
             else:
@@ -234,17 +184,15 @@ def _divergence_kernel(
                 # ---- pass 2: TV and alpha with the normalisers known (reverse order: L2-warm tiles first) ----
                 acc_abs = tl.zeros([BLOCK], dtype=tl.float32)
                 acc_min = tl.zeros([BLOCK], dtype=tl.float32)
-                if SPLIT_TAIL:  # the ragged tail first (reverse order), then whole tiles unmasked
-                    if n_full < n_tiles:
-                        acc_abs, acc_min = _tv_tile(v_row, d_row, n_full * BLOCK + offs, vocab, scale2, lp, lq,
-                                                    acc_abs, acc_min, True)
-                    for i in tl.range(0, n_full, num_stages=STAGES2):
-                        acc_abs, acc_min = _tv_tile(v_row, d_row, (n_full - 1 - i) * BLOCK + offs, vocab, scale2, lp,
-                                                    lq, acc_abs, acc_min, False)
-                else:
-                    for i in tl.range(0, n_tiles, num_stages=STAGES2):
-                        acc_abs, acc_min = _tv_tile(v_row, d_row, (n_tiles - 1 - i) * BLOCK + offs, vocab, scale2, lp,
-                                                    lq, acc_abs, acc_min, True)
+                for i in tl.range(0, n_tiles, num_stages=STAGES2):
+                    cols = (n_tiles - 1 - i) * BLOCK + offs
+                    inb = cols < vocab
+                    x = tl.load(v_row + cols, mask=inb, other=NEG_INF, eviction_policy="evict_first")
+                    y = tl.load(d_row + cols, mask=inb, other=NEG_INF, eviction_policy="evict_first")
+                    px = tl.exp2(x.to(tl.float32) * scale2 - lp)
+                    qy = tl.exp2(y.to(tl.float32) * scale2 - lq)
+                    acc_abs += tl.abs(px - qy)
+                    acc_min += tl.minimum(px, qy)
                 tv = tl.minimum(tl.maximum(0.5 * tl.sum(acc_abs, 0), 0.0), 1.0)
                 # summed, not 1 - TV: keeps relative precision when p and q barely overlap
                 alpha = tl.minimum(tl.maximum(tl.sum(acc_min, 0), 0.0), 1.0)
@@ -266,16 +214,15 @@ def _divergence_kernel(
                 if HAS_WEIGHTS:
                     w = w * tl.load(weight_ptr + row64).to(tl.float32)
                 g_row = grad_ptr + row64 * stride_g
-                if SPLIT_TAIL:
-                    if n_full < n_tiles:
-                        _grad_tile(v_row, d_row, g_row, n_full * BLOCK + offs, vocab, scale2, lp, lq, w, True)
-                    for i in tl.range(0, n_full, num_stages=STAGES2):
-                        _grad_tile(v_row, d_row, g_row, (n_full - 1 - i) * BLOCK + offs, vocab, scale2, lp, lq, w,
-                                   False)
-                else:
-                    for i in tl.range(0, n_tiles, num_stages=STAGES2):
-                        _grad_tile(v_row, d_row, g_row, (n_tiles - 1 - i) * BLOCK + offs, vocab, scale2, lp, lq, w,
-                                   True)
+                for i in tl.range(0, n_tiles, num_stages=STAGES2):
+                    cols = (n_tiles - 1 - i) * BLOCK + offs
+                    inb = cols < vocab
+                    x = tl.load(v_row + cols, mask=inb, other=NEG_INF, eviction_policy="evict_first")
+                    y = tl.load(d_row + cols, mask=inb, other=NEG_INF, eviction_policy="evict_first")
+                    x = x.to(tl.float32) * scale2
+                    y = y.to(tl.float32) * scale2
+                    g = (tl.exp2(y - lq) - tl.exp2(x - lp)) * w
+                    tl.store(g_row + cols, g.to(grad_ptr.dtype.element_ty), mask=inb)
         else:
             tl.store(ce_ptr + row64, 0.0)
             tl.store(status_ptr + row64, 0)
@@ -508,7 +455,7 @@ def _divergence_chunked_kernel(
 _DEFAULT_CONFIG: dict[str, int] = {"block": 0, "num_warps": 0, "programs_per_sm": 0, "programs": 0,
                                    "evict_last": 0, "interpret_block": 256, "pass1": 2, "stages1": 1, "stages2": 0,
                                    "split": 0, "chunk_tiles": 8, "spin": 1, "chunk_programs_per_sm": 0,
-                                   "interpret_chunk_tiles": 2, "split_tail": 1}
+                                   "interpret_chunk_tiles": 2}
 _CONFIG: dict[str, int] = dict(_DEFAULT_CONFIG)
 MAX_SPIN = 1 << 20  # polls of a row counter (about a microsecond each) before a program gives up and poisons the row
 
@@ -528,9 +475,7 @@ def set_config(**overrides: int | None) -> dict[str, int]:
     (``split=0`` only: pass-1 loads ask L2 to keep the row), ``pass1`` (``split=0`` only: 0 = sums reduced per
     tile (version 1); 2 = one multi-operand reduction per tile, accumulating only the cross-entropy on the loss path,
     the default), ``stages1`` / ``stages2`` (``split=0`` only: ``tl.range`` software-pipelining stages of pass 1
-    (``pass1=2``) / of pass 2; 0 = by device), ``split_tail`` (``split=0``, ``pass1=2``: 1 = whole tiles loaded
-    without a mask and the ragged last tile apart, the default; 0 = every tile masked; same tiles, same order, same
-    results).
+    (``pass1=2``) / of pass 2; 0 = by device).
     """
     previous = dict(_CONFIG)
     if not overrides:
@@ -682,8 +627,7 @@ def launch_divergence(
             grad_count if grad_count is not None else dummy,
             **flags, BLOCK=block, EVICT_LAST=bool(_CONFIG["evict_last"]), PASS1=_CONFIG["pass1"],
             STAGES1=max(1, _CONFIG["stages1"]), STAGES2=stages2,
-            HAS_COUNT=grad_count is not None, SPLIT_TAIL=bool(_CONFIG["split_tail"]) and _CONFIG["pass1"] == 2,
-            num_warps=num_warps,
+            HAS_COUNT=grad_count is not None, num_warps=num_warps,
         )
     else:
         if grad_count is not None:  # the experimental chunked kernel takes the scale on the host
