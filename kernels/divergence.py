@@ -493,12 +493,20 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _auto_tile(n_rows: int, device: torch.device) -> tuple[int, int, int]:
+# Loss path (gradient, no TV) on the H200 at vocabularies up to this size: 2048 columns / 4 warps, no pipelining
+# (same-process probe, 16384 x 32000: 1.17 vs 1.24 ms for the small-program setting; at V = 151936 equal or worse).
+SMALL_VOCAB_LOSS = 65536
+
+
+def _auto_tile(n_rows: int, device: torch.device, vocab: int = 0, write_grad: bool = False) -> tuple[int, int, int]:
     """``(block, num_warps, pass-2 pipelining stages)`` of the one-program-per-row kernel, from same-process sweeps
     (NOTES_divergence.md, version 5). On the H200 small programs (one warp, 512 columns, pass 2 pipelined over 3
-    stages) win when there are >= 16 rows per multiprocessor, 1024 columns / 2 warps from 4 rows per SM; on the
-    H100 (and, untested, anything else) 2048 columns / 4 warps without pipelining did best."""
+    stages) win when there are >= 16 rows per multiprocessor, 1024 columns / 2 warps from 4 rows per SM, except for
+    the loss path at vocabularies <= SMALL_VOCAB_LOSS; on the H100 (and, untested, anything else) 2048 columns / 4
+    warps without pipelining did best."""
     if "H200" not in device_name(device):
+        return 2048, 4, 1
+    if write_grad and vocab <= SMALL_VOCAB_LOSS:
         return 2048, 4, 1
     rows_per_sm = n_rows / sm_count(device)
     if rows_per_sm >= 16:
@@ -508,10 +516,12 @@ def _auto_tile(n_rows: int, device: torch.device) -> tuple[int, int, int]:
     return 2048, 4, 3
 
 
-def _launch_params(n_rows: int, vocab: int, device: torch.device) -> tuple[int, int, int, int]:
+def _launch_params(n_rows: int, vocab: int, device: torch.device,
+                   write_grad: bool = False) -> tuple[int, int, int, int]:
     """``(block, num_warps, programs, stages2)`` from the configuration (0 entries: chosen by ``_auto_tile``)."""
     block, num_warps, stages2 = _CONFIG["block"], _CONFIG["num_warps"], _CONFIG["stages2"]
-    auto_block, auto_warps, auto_stages = (2048, 4, 1) if _CONFIG["split"] else _auto_tile(n_rows, device)
+    auto_block, auto_warps, auto_stages = ((2048, 4, 1) if _CONFIG["split"]
+                                           else _auto_tile(n_rows, device, vocab, write_grad))
     block = block if block > 0 else auto_block
     num_warps = num_warps if num_warps > 0 else auto_warps
     stages2 = stages2 if stages2 > 0 else auto_stages
@@ -607,8 +617,8 @@ def launch_divergence(
         sums = [torch.zeros(num_tasks, dtype=torch.float64, device=device) for _ in range(4)]
         count = torch.zeros(num_tasks, dtype=torch.int64, device=device)
     dummy = ce
-    block, num_warps, programs, stages2 = _launch_params(n_rows, vocab, device)
     write_grad = grad_out is not None
+    block, num_warps, programs, stages2 = _launch_params(n_rows, vocab, device, write_grad)
     common = (
         verifier_logits, drafter_logits, verifier_logits.stride(0), drafter_logits.stride(0),
         mask if mask is not None else dummy, task_ids if has_tasks else dummy,
