@@ -37,7 +37,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, measure_copy_bandwidth, time_do_bench, time_graph  # noqa: E402
 
-from specdec.kernels.rejection_sampling import TUNE_DEFAULT, _stage_plan, rejection_sample_triton  # noqa: E402
+from specdec.kernels.rejection_sampling import (  # noqa: E402
+    TUNE_DEFAULT,
+    _race_plan,
+    _stage_plan,
+    rejection_sample_triton,
+)
 from specdec.kernels.rejection_sampling_reference import (  # noqa: E402
     TILE_INDEX_BASE,
     rejection_sample_reference,
@@ -198,7 +203,8 @@ def run_sweep(shapes, dtype_name, out_path, l2_bytes, copy_gbps, env, max_second
                 row = dict(config=name, B=batch, K=num_drafts, V=vocab, dtype=dtype_name, median_us=f"{med:.2f}",
                            p20_us=f"{p20:.2f}", p80_us=f"{p80:.2f}", gbps_read=f"{read / med / 1e3:.1f}",
                            frac_copy=f"{read / med / 1e3 / copy_gbps:.3f}", match_ref=match,
-                           tune=str(dict(TUNE_DEFAULT, **tune)), note=note, **env)
+                           tune=str(dict(TUNE_DEFAULT, **tune, race_plan_resolved=_race_plan(
+                               esize, batch, dict(TUNE_DEFAULT, **tune), None, False))), note=note, **env)
                 writer.writerow(row)
                 handle.flush()
                 print(f"sweep {name:18s} {dtype_name} B={batch:3d} K={num_drafts} V={vocab:6d} {med:8.1f} us "

@@ -463,8 +463,9 @@ MAX_SPIN = 1 << 20  # polls of a row counter (about a microsecond each) before a
 def set_config(**overrides: int | None) -> dict[str, int]:
     """Override the launch configuration; returns the previous one (pass it back to restore; no argument = reset).
 
-    Keys: ``block`` (vocabulary tile) and ``num_warps`` (0 = chosen by rows per multiprocessor, see
-    ``_auto_tile``; 2048 / 4 for ``split=1``), ``interpret_block`` (tile under ``TRITON_INTERPRET=1``),
+    Keys: ``block`` (vocabulary tile) and ``num_warps`` (0 = chosen by the card, rows per multiprocessor, the
+    vocabulary and the pass, see ``_auto_tile``; 2048 / 4 for ``split=1``), ``interpret_block`` (tile under
+    ``TRITON_INTERPRET=1``),
     ``split`` (0: one program per row, the default (fastest measured); 1: rows split into column chunks, one program
     per (row, chunk): the experimental version 2 of NOTES_divergence.md),
     ``chunk_tiles`` (tiles per chunk; ``interpret_chunk_tiles`` under the interpreter), ``spin`` (chunked path on

@@ -815,6 +815,23 @@ def _auto_stages(num_positions: int, batch: int, vocab: int, element_size: int) 
 
 
 
+def _race_plan(element_size: int, batch: int, cfg: dict, num_warps: int | None,
+               interpret: bool) -> tuple[int, int, int]:
+    """``(race_tiles, race_warps, race_programs)`` of the race kernel from the tune settings (None = automatic)."""
+    one_warp = (element_size == 4 and batch >= FP32_ONE_WARP_RACE_BATCH and not interpret
+                and cfg["race_tiles"] is None and cfg["race_warps"] is None and num_warps is None)
+    race_tiles = 1 if one_warp else int(cfg["race_tiles"] or (2 if batch <= 2 else 4))
+    if race_tiles < 1 or race_tiles & (race_tiles - 1):
+        raise ValueError(f"tune['race_tiles'] must be a power of two >= 1, got {race_tiles}")
+    race_programs = cfg["race_programs"]
+    if race_programs is None:
+        race_programs = 16 if one_warp else 4
+    if int(race_programs) < 1:
+        raise ValueError(f"tune['race_programs'] must be None or >= 1 (programs per SM), got {race_programs}")
+    race_warps = num_warps or cfg["race_warps"] or race_tiles  # one warp per tile of a race block
+    return race_tiles, int(race_warps), int(race_programs)
+
+
 def rejection_sample_triton(
     target_logits: torch.Tensor,
     draft_logits: torch.Tensor,
@@ -922,20 +939,11 @@ def rejection_sample_triton(
         if prefetch and not fp32_small and pairs >= cfg["stats_programs"] * sms:
             auto_warps = 16
     warps = num_warps or cfg["stats_warps"] or auto_warps
-    one_warp_race = (target.element_size() == 4 and batch >= FP32_ONE_WARP_RACE_BATCH and not _INTERPRET
-                     and cfg["race_tiles"] is None and cfg["race_warps"] is None and num_warps is None)
-    if one_warp_race:
-        race_tiles = 1
-    else:
-        race_tiles = int(cfg["race_tiles"] or (2 if batch <= 2 else 4))
-    if race_tiles < 1 or race_tiles & (race_tiles - 1):
-        raise ValueError(f"tune['race_tiles'] must be a power of two >= 1, got {race_tiles}")
+    race_tiles, race_warps, race_programs = _race_plan(target.element_size(), batch, cfg, num_warps, _INTERPRET)
     max_splits = num_splits if num_splits is not None else (2 if _INTERPRET else _MAX_SPLITS)
     max_splits = min(max_splits, _MAX_SPLITS)
     chunk, splits = _split_plan(vocab, block, pairs, cfg["stats_programs"] * sms, max_splits)
-    race_programs = cfg["race_programs"] or (16 if one_warp_race else 4)
     chunk2, splits2 = _split_plan(vocab, race_tiles * RACE_TILE, batch, race_programs * sms, max_splits)
-    race_warps = num_warps or cfg["race_warps"] or race_tiles  # one warp per tile of a race block
     fuse = bool(cfg["fuse"])
     if _INTERPRET:
         pdl = 0

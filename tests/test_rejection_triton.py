@@ -112,6 +112,26 @@ def test_launch_plans_are_exact_with_scores_greedy_rows_and_ragged_drafts(plan):
     assert_matches_reference(target, draft, drafts, seeds, offsets, 0.0, strategies=("split",), tune=tune)
 
 
+def test_race_plan_rule_picks_the_one_warp_race_for_fp32_batches_of_32_or_more():
+    from specdec.kernels.rejection_sampling import FP32_ONE_WARP_RACE_BATCH, TUNE_DEFAULT, _race_plan
+
+    cfg = dict(TUNE_DEFAULT)
+    big = FP32_ONE_WARP_RACE_BATCH
+    assert _race_plan(4, big, cfg, None, interpret=False) == (1, 1, 16)
+    assert _race_plan(4, 128, cfg, None, interpret=False) == (1, 1, 16)
+    assert _race_plan(4, big - 1, cfg, None, interpret=False) == (4, 4, 4)  # below the batch threshold
+    assert _race_plan(2, big, cfg, None, interpret=False) == (4, 4, 4)  # bf16 / fp16 keep one warp per tile
+    assert _race_plan(4, 2, cfg, None, interpret=False) == (2, 2, 4)
+    assert _race_plan(4, big, cfg, None, interpret=True) == (4, 4, 4)  # the interpreter keeps the default plan
+    # explicit settings win over the rule
+    assert _race_plan(4, big, dict(cfg, race_tiles=2), None, interpret=False) == (2, 2, 4)
+    assert _race_plan(4, big, dict(cfg, race_warps=2), None, interpret=False) == (4, 2, 4)
+    assert _race_plan(4, big, cfg, 8, interpret=False) == (4, 8, 4)
+    assert _race_plan(4, big, dict(cfg, race_programs=8), None, interpret=False) == (1, 1, 8)
+    with pytest.raises(ValueError, match="race_programs"):
+        _race_plan(4, big, dict(cfg, race_programs=0), None, interpret=False)
+
+
 def test_unknown_tune_key_is_an_error():
     case = make_case(1, 1, 100, seed=1)
     with pytest.raises(ValueError, match="unknown tune"):
