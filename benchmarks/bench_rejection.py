@@ -204,7 +204,7 @@ def run_sweep(shapes, dtype_name, out_path, l2_bytes, copy_gbps, env, max_second
                            p20_us=f"{p20:.2f}", p80_us=f"{p80:.2f}", gbps_read=f"{read / med / 1e3:.1f}",
                            frac_copy=f"{read / med / 1e3 / copy_gbps:.3f}", match_ref=match,
                            tune=str(dict(TUNE_DEFAULT, **tune, race_plan_resolved=_race_plan(
-                               esize, batch, dict(TUNE_DEFAULT, **tune), None, False))), note=note, **env)
+                               esize, batch, dict(TUNE_DEFAULT, **tune), None, False, vocab))), note=note, **env)
                 writer.writerow(row)
                 handle.flush()
                 print(f"sweep {name:18s} {dtype_name} B={batch:3d} K={num_drafts} V={vocab:6d} {med:8.1f} us "

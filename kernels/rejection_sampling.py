@@ -771,7 +771,10 @@ FP32_SMALL_VOCAB = 65536
 #                   shuffles. H100 sweep (results/rejection_sweep_H100_80GB_HBM3_s6_fp32.csv, same process):
 #                   (128, 1, 151936) 132.9 -> 116.1 us, (128, 1, 32000) 36.5 -> 32.4, (32, 8, 32000) 42.1 -> 36.8,
 #                   (128, 4, 32000) 69.8 -> 64.7; (32, 1, 32000) 17.6 -> 18.3 and (32, 4, 32000) 25.9 -> 26.0 the
-#                   exceptions; bf16 (one warp per tile already) loses with it at every measured shape
+#                   exceptions; bf16 (one warp per tile already) loses with it at every measured shape. At
+#                   V <= FP32_SMALL_VOCAB with B < 128, two tiles per one-warp program and 8 programs per SM did
+#                   better on both cards (H200, results/rejection_sweep_H200_s6_fp32_small.csv: (32, 1) 16.5 ->
+#                   15.8 us, (32, 4) 22.0 -> 21.2, (32, 8) 30.4 -> 29.1; B = 64 not measured)
 FP32_ONE_WARP_RACE_BATCH = 32
 
 
@@ -815,20 +818,22 @@ def _auto_stages(num_positions: int, batch: int, vocab: int, element_size: int) 
 
 
 
-def _race_plan(element_size: int, batch: int, cfg: dict, num_warps: int | None,
-               interpret: bool) -> tuple[int, int, int]:
+def _race_plan(element_size: int, batch: int, cfg: dict, num_warps: int | None, interpret: bool,
+               vocab: int = 1 << 20) -> tuple[int, int, int]:
     """``(race_tiles, race_warps, race_programs)`` of the race kernel from the tune settings (None = automatic)."""
     one_warp = (element_size == 4 and batch >= FP32_ONE_WARP_RACE_BATCH and not interpret
                 and cfg["race_tiles"] is None and cfg["race_warps"] is None and num_warps is None)
-    race_tiles = 1 if one_warp else int(cfg["race_tiles"] or (2 if batch <= 2 else 4))
+    # small fp32 vocabularies below B = 128: two tiles per one-warp program, 8 programs per SM (see FP32_SMALL_VOCAB)
+    two_tiles = one_warp and vocab <= FP32_SMALL_VOCAB and batch < 128
+    race_tiles = (2 if two_tiles else 1) if one_warp else int(cfg["race_tiles"] or (2 if batch <= 2 else 4))
     if race_tiles < 1 or race_tiles & (race_tiles - 1):
         raise ValueError(f"tune['race_tiles'] must be a power of two >= 1, got {race_tiles}")
     race_programs = cfg["race_programs"]
     if race_programs is None:
-        race_programs = 16 if one_warp else 4
+        race_programs = (8 if two_tiles else 16) if one_warp else 4
     if int(race_programs) < 1:
         raise ValueError(f"tune['race_programs'] must be None or >= 1 (programs per SM), got {race_programs}")
-    race_warps = num_warps or cfg["race_warps"] or race_tiles  # one warp per tile of a race block
+    race_warps = 1 if one_warp else (num_warps or cfg["race_warps"] or race_tiles)  # bf16: one warp per tile
     return race_tiles, int(race_warps), int(race_programs)
 
 
@@ -939,7 +944,8 @@ def rejection_sample_triton(
         if prefetch and not fp32_small and pairs >= cfg["stats_programs"] * sms:
             auto_warps = 16
     warps = num_warps or cfg["stats_warps"] or auto_warps
-    race_tiles, race_warps, race_programs = _race_plan(target.element_size(), batch, cfg, num_warps, _INTERPRET)
+    race_tiles, race_warps, race_programs = _race_plan(target.element_size(), batch, cfg, num_warps, _INTERPRET,
+                                                       vocab)
     max_splits = num_splits if num_splits is not None else (2 if _INTERPRET else _MAX_SPLITS)
     max_splits = min(max_splits, _MAX_SPLITS)
     chunk, splits = _split_plan(vocab, block, pairs, cfg["stats_programs"] * sms, max_splits)

@@ -128,6 +128,10 @@ def test_race_plan_rule_picks_the_one_warp_race_for_fp32_batches_of_32_or_more()
     assert _race_plan(4, big, dict(cfg, race_warps=2), None, interpret=False) == (4, 2, 4)
     assert _race_plan(4, big, cfg, 8, interpret=False) == (4, 8, 4)
     assert _race_plan(4, big, dict(cfg, race_programs=8), None, interpret=False) == (1, 1, 8)
+    # small fp32 vocabularies below B = 128: two tiles per one-warp program, 8 programs per SM
+    assert _race_plan(4, big, cfg, None, interpret=False, vocab=32000) == (2, 1, 8)
+    assert _race_plan(4, 128, cfg, None, interpret=False, vocab=32000) == (1, 1, 16)
+    assert _race_plan(2, big, cfg, None, interpret=False, vocab=32000) == (4, 4, 4)
     with pytest.raises(ValueError, match="race_programs"):
         _race_plan(4, big, dict(cfg, race_programs=0), None, interpret=False)
 
@@ -411,7 +415,8 @@ def test_launch_plans_gpu(plan, batch, num_drafts, vocab):
 
 
 @gpu_only
-@pytest.mark.parametrize("batch,num_drafts,vocab", [(32, 1, 32000), (64, 8, 151936), (128, 1, 128256)])
+@pytest.mark.parametrize("batch,num_drafts,vocab", [(32, 1, 32000), (32, 8, 32000), (64, 8, 151936),
+                                                     (128, 1, 128256)])
 def test_fp32_one_warp_race_plan_gpu(batch, num_drafts, vocab):
     # fp32 with B >= FP32_ONE_WARP_RACE_BATCH takes the one-warp race plan automatically; scores and greedy rows too
     case = make_case(batch, num_drafts, vocab, torch.float32, seed=batch * 7 + vocab)
