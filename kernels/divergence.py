@@ -52,6 +52,32 @@ def _sum_four(a0, a1, a2, a3, b0, b1, b2, b3):
 
 
 @triton.jit
+def _tile_sums_v1(x, y, mx, my, sx, sy, r, e, n_bad):
+    """Version 1's pass-1 update for one tile of scaled logits ``x``, ``y`` ([BLOCK] float32, base 2): running
+    maxima, normalisers ``sx``, ``sy``, ``r = sum w (x - mx)``, ``e = sum w (x - y)`` (entries with ``x = -inf``
+    or ``y = -inf`` left out) and ``n_bad`` = entries with ``p > 0`` where ``q = 0``, each reduced separately."""
+    NEG_INF: tl.constexpr = float("-inf")
+    mx_new = tl.maximum(mx, tl.max(x, 0))
+    my_new = tl.maximum(my, tl.max(y, 0))
+    mx_ref = tl.where(mx_new == NEG_INF, 0.0, mx_new)
+    my_ref = tl.where(my_new == NEG_INF, 0.0, my_new)
+    cx = tl.exp2(mx - mx_ref)
+    cy = tl.exp2(my - my_ref)
+    shift_x = tl.where(mx == NEG_INF, 0.0, mx - mx_ref)
+    dx = x - mx_ref
+    wx = tl.exp2(dx)
+    wy = tl.exp2(y - my_ref)
+    fx = x > NEG_INF
+    fy = y > NEG_INF
+    r = cx * (r + shift_x * sx) + tl.sum(tl.where(fx, wx * dx, 0.0), 0)
+    e = cx * e + tl.sum(tl.where(fx & fy, wx * (x - y), 0.0), 0)
+    n_bad += tl.sum((fx & (y == NEG_INF)).to(tl.int32), 0)
+    sx = cx * sx + tl.sum(wx, 0)
+    sy = cy * sy + tl.sum(wy, 0)
+    return mx_new, my_new, sx, sy, r, e, n_bad
+
+
+@triton.jit
 def _divergence_kernel(
     v_ptr, d_ptr, stride_v, stride_d,
     mask_ptr, task_ptr, weight_ptr,
@@ -139,27 +165,8 @@ def _divergence_kernel(
                     else:
                         x = tl.load(v_row + cols, mask=inb, other=NEG_INF)
                         y = tl.load(d_row + cols, mask=inb, other=NEG_INF)
-                    x = x.to(tl.float32) * scale2
-                    y = y.to(tl.float32) * scale2
-                    mx_new = tl.maximum(mx, tl.max(x, 0))
-                    my_new = tl.maximum(my, tl.max(y, 0))
-                    mx_ref = tl.where(mx_new == NEG_INF, 0.0, mx_new)
-                    my_ref = tl.where(my_new == NEG_INF, 0.0, my_new)
-                    cx = tl.exp2(mx - mx_ref)
-                    cy = tl.exp2(my - my_ref)
-                    shift_x = tl.where(mx == NEG_INF, 0.0, mx - mx_ref)
-                    dx = x - mx_ref
-                    wx = tl.exp2(dx)
-                    wy = tl.exp2(y - my_ref)
-                    fx = x > NEG_INF
-                    fy = y > NEG_INF
-                    r = cx * (r + shift_x * sx) + tl.sum(tl.where(fx, wx * dx, 0.0), 0)
-                    e = cx * e + tl.sum(tl.where(fx & fy, wx * (x - y), 0.0), 0)
-                    n_bad += tl.sum((fx & (y == NEG_INF)).to(tl.int32), 0)
-                    sx = cx * sx + tl.sum(wx, 0)
-                    sy = cy * sy + tl.sum(wy, 0)
-                    mx = mx_new
-                    my = my_new
+                    mx, my, sx, sy, r, e, n_bad = _tile_sums_v1(x.to(tl.float32) * scale2, y.to(tl.float32) * scale2,
+                                                                mx, my, sx, sy, r, e, n_bad)
             status = tl.where(sx > 0.0, 0, 1) + tl.where(sy > 0.0, 0, 2)
             mx = tl.where(mx == NEG_INF, 0.0, mx)
             my = tl.where(my == NEG_INF, 0.0, my)
@@ -292,27 +299,8 @@ def _divergence_chunked_kernel(
                     inb = cols < c_end
                     x = tl.load(v_row + cols, mask=inb, other=NEG_INF)
                     y = tl.load(d_row + cols, mask=inb, other=NEG_INF)
-                    x = x.to(tl.float32) * scale2
-                    y = y.to(tl.float32) * scale2
-                    mx_new = tl.maximum(mx, tl.max(x, 0))
-                    my_new = tl.maximum(my, tl.max(y, 0))
-                    mx_ref = tl.where(mx_new == NEG_INF, 0.0, mx_new)
-                    my_ref = tl.where(my_new == NEG_INF, 0.0, my_new)
-                    cx = tl.exp2(mx - mx_ref)
-                    cy = tl.exp2(my - my_ref)
-                    shift_x = tl.where(mx == NEG_INF, 0.0, mx - mx_ref)
-                    dx = x - mx_ref
-                    wx = tl.exp2(dx)
-                    wy = tl.exp2(y - my_ref)
-                    fx = x > NEG_INF
-                    fy = y > NEG_INF
-                    r = cx * (r + shift_x * sx) + tl.sum(tl.where(fx, wx * dx, 0.0), 0)
-                    e = cx * e + tl.sum(tl.where(fx & fy, wx * (x - y), 0.0), 0)
-                    n_bad += tl.sum((fx & (y == NEG_INF)).to(tl.int32), 0)
-                    sx = cx * sx + tl.sum(wx, 0)
-                    sy = cy * sy + tl.sum(wy, 0)
-                    mx = mx_new
-                    my = my_new
+                    mx, my, sx, sy, r, e, n_bad = _tile_sums_v1(x.to(tl.float32) * scale2, y.to(tl.float32) * scale2,
+                                                                mx, my, sx, sy, r, e, n_bad)
                 st = stats_ptr + slot64 * 8
                 tl.store(st + 0, mx)
                 tl.store(st + 1, sx)
@@ -701,6 +689,23 @@ def _weighted_total(ce: torch.Tensor, weights: torch.Tensor | None, mask: torch.
     return torch.where(w != 0, w * ce, torch.zeros_like(ce)).sum()
 
 
+def loss_scale(reduction: str, n_rows: int, mask: torch.Tensor | None) -> tuple[float, torch.Tensor | None]:
+    """``(scale, count)`` of a loss reduction: "sum" -> (1, None); an unmasked "mean" -> (1 / N, None); a masked
+    "mean" -> (1, the [1] float32 number of counted tokens), kept on the device (the kernel divides by it)."""
+    if reduction != "mean":
+        return 1.0, None
+    if mask is None:
+        return 1.0 / max(n_rows, 1), None
+    return 1.0, mask.sum(dtype=torch.float32).reshape(1)
+
+
+def reduced_loss(ce: torch.Tensor, weights: torch.Tensor | None, mask: torch.Tensor | None, scale: float,
+                 count: torch.Tensor | None) -> torch.Tensor:
+    """0-dim ``scale * sum_n w_n ce_n`` over the counted rows, divided by ``max(count, 1)`` when given."""
+    total = _weighted_total(ce, weights, mask) * scale
+    return total if count is None else total / count.clamp_min(1.0).reshape(())
+
+
 @triton.jit
 def _rescale_gradient_kernel(grad_ptr, upstream_ptr, numel, num_programs, BLOCK: tl.constexpr):
     """grad *= upstream in place; every program returns at once when upstream is exactly 1."""
@@ -748,14 +753,7 @@ class DivergenceLossFunction(torch.autograd.Function):
     def forward(ctx, drafter_logits: torch.Tensor, verifier_logits: torch.Tensor, weights: torch.Tensor | None,
                 mask: torch.Tensor | None, temperature: float, reduction: str,
                 check_inputs: bool = False) -> torch.Tensor:
-        n_rows = drafter_logits.shape[0]
-        count = None
-        scale = 1.0
-        if reduction == "mean":
-            if mask is None:
-                scale = 1.0 / max(n_rows, 1)
-            else:
-                count = mask.sum(dtype=torch.float32).reshape(1)
+        scale, count = loss_scale(reduction, drafter_logits.shape[0], mask)
         needs_grad = ctx.needs_input_grad[0]
         grad = torch.empty_like(drafter_logits, memory_format=torch.contiguous_format) if needs_grad else None
         mask_u8 = mask.to(torch.uint8) if mask is not None else None
@@ -766,8 +764,7 @@ class DivergenceLossFunction(torch.autograd.Function):
         if check_inputs:
             raise_on_bad_status(status)
         ctx.save_for_backward(grad)
-        total = _weighted_total(ce, weights, mask) * scale
-        return total if count is None else total / count.clamp_min(1.0).reshape(())
+        return reduced_loss(ce, weights, mask, scale, count)
 
     @staticmethod
     @once_differentiable
@@ -798,5 +795,5 @@ def raise_on_bad_status(status: torch.Tensor) -> None:
 
 
 __all__ = ["DivergenceLossFunction", "chunk_layout", "divergence_loss_triton", "divergence_triton",
-           "check_first_backward", "launch_divergence", "raise_on_bad_status", "rescale_gradient", "set_config",
-           "LOG2E"]
+           "check_first_backward", "launch_divergence", "loss_scale", "raise_on_bad_status", "reduced_loss",
+           "rescale_gradient", "set_config", "LOG2E"]

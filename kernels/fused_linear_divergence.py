@@ -15,7 +15,14 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from .divergence import _weighted_total, check_first_backward, launch_divergence, raise_on_bad_status, rescale_gradient
+from .divergence import (
+    check_first_backward,
+    launch_divergence,
+    loss_scale,
+    raise_on_bad_status,
+    reduced_loss,
+    rescale_gradient,
+)
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 27  # logits per chunk: 256 MiB in bf16
 
@@ -43,13 +50,7 @@ class FusedLinearDivergenceFunction(torch.autograd.Function):
                 chunk_size: int | None, check_inputs: bool = False) -> torch.Tensor:
         n_rows, _ = hidden.shape
         vocab = weight.shape[0]
-        count = None
-        scale = 1.0
-        if reduction == "mean":
-            if mask is None:
-                scale = 1.0 / max(n_rows, 1)
-            else:  # stays on the device: no host sync
-                count = mask.sum(dtype=torch.float32).reshape(1)
+        scale, count = loss_scale(reduction, n_rows, mask)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_grad = need_h or need_w
         chunk = chunk_size or max(1, DEFAULT_CHUNK_ELEMENTS // vocab)
@@ -79,8 +80,7 @@ class FusedLinearDivergenceFunction(torch.autograd.Function):
         if grad_weight is not None and weight.dtype != torch.float32:
             grad_weight = grad_weight.to(weight.dtype)
         ctx.save_for_backward(grad_hidden, grad_weight)
-        total = _weighted_total(ce, weights, mask) * scale
-        return total if count is None else total / count.clamp_min(1.0).reshape(())
+        return reduced_loss(ce, weights, mask, scale, count)
 
     @staticmethod
     @once_differentiable

@@ -262,9 +262,9 @@ def divergence_loss(
         mask: optional [N] bool, True = token counted (False = weight 0, zero gradient).
         check_inputs: raise ValueError when a counted row holds NaN or +inf or is all ``-inf`` (p or q undefined),
             or ``weights`` is not finite; costs a device sync (on the Triton path the kernel flags such rows, no extra
-            pass over [N, V]). Pass
-            False inside training loops: the Triton path then never syncs with the host (a masked mean's count and
-            the backward's scaling stay on the device), and such rows give a NaN loss instead of an error.
+            pass over [N, V]). Pass False inside training loops: the Triton path then never syncs with the host (a
+            masked mean's count and the backward's scaling stay on the device), and such rows give a NaN loss
+            instead of an error.
 
     Returns:
         0-dim loss: float32, or float64 for float64 logits on the torch path. On the Triton path the gradient is
