@@ -157,6 +157,7 @@ SWEEP = {
     "stats_prog8_b1024pf": dict(stats_programs=8, stats_block=1024, stats_warps=4, stats_prefetch=True),
     "race_t1w1_prog32": dict(race_tiles=1, race_warps=1, race_programs=32),
     "race_t2w1_prog16": dict(race_tiles=2, race_warps=1, race_programs=16),
+    "no_skip_bonus": dict(skip_bonus=False),
 }
 # Earlier sweeps (results/rejection_sweep_H200_v5..v9*.csv) also timed other settings; every row records its tune.
 SWEEP_SMALL = ("default", "stats_pf", "stats_nopf", "race_t4w4", "stats_prog8", "pdl0", "stats:default")

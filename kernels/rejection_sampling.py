@@ -42,9 +42,10 @@ Two launch strategies compute the same function:
   (tiles, grids, prefetch, programmatic dependent launch) is :data:`TUNE_DEFAULT`, see there.
   (1) ``_stats_kernel``, grid ``(B*(K+1), S)``: every program reduces one vocabulary chunk of one (row, position)
   pair to partial (max, sum-exp) of target and draft and, for greedy rows, the lowest arg-max. Positions past a
-  row's last draft are skipped. For large inputs (K >= 6, logits >= 200 MB) it runs as two launches, positions
-  0-2 then 3-K, and a row that certainly stopped before position 3 reads nothing in the second (staged
-  statistics, :func:`_rejected_before`; the race kernel still makes every decision).
+  row's last draft are skipped; without greedy rows the bonus position gets no programs at all. For large
+  inputs (K >= 6, logits >= 200 MB) it runs as two launches, positions 0-2 then 3-K, and a row that certainly
+  stopped before position 3 reads nothing in the second (staged statistics, :func:`_rejected_before`; the race
+  kernel still makes every decision).
   (2) ``_race_kernel``, grid ``(B, S2)``: every program combines the partials of its row (vectorised over
   positions), runs the accept tests, finds the stop position, then runs level 1 of the race on its vocabulary
   chunk of the stop row only (blocks of ``race_tiles`` tiles, one warp per tile, so the tile sums are warp
@@ -382,7 +383,7 @@ def _combine_lse(m, s, axis: tl.constexpr):
 def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy_ptr, seeds_ptr, offsets_ptr,
                  stats_ptr, argmax_ptr, race_ptr, info_ptr, logprob_ptr, alpha_part_ptr,
                  counter_ptr, tokens_ptr, num_accepted_ptr, alpha_ptr,
-                 inv_t, V, K, S, chunk, S2,
+                 inv_t, V, K, S, chunk, S2, n_stat,
                  HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, ALL_GREEDY: tl.constexpr,
                  COMPUTE_SCORES: tl.constexpr, KP2: tl.constexpr, JP2: tl.constexpr, SP2: tl.constexpr,
                  TILES: tl.constexpr, RACE_TILE: tl.constexpr, TILE_BASE: tl.constexpr, SINGLE: tl.constexpr,
@@ -419,7 +420,8 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
     if PDL_WAIT:
         tl.extra.cuda.gdc_wait()
 
-    lt, mt, st, ld, md, sd, am = _position_stats(stats_ptr, argmax_ptr, pair, jmask, V, S, SP2)
+    # positions >= n_stat have no statistics (the bonus position of a batch without greedy rows): -inf / 0
+    lt, mt, st, ld, md, sd, am = _position_stats(stats_ptr, argmax_ptr, pair, js < n_stat, V, S, SP2)
 
     lp = t_x - lt
     lq = d_x - ld
@@ -752,8 +754,15 @@ SEQ_MIN_BATCH = 1 << 62
 #   stats_only      (benchmark breakdown) launch the stats kernel only; outputs are not written
 #   stages          staged statistics (see _stage_plan): positions where a new stats launch starts, rows that
 #                   certainly stopped earlier skip them; None automatic, () one launch
+#   skip_bonus      no statistics programs for the bonus position when the batch has no greedy rows (they would
+#                   read nothing; H200, results/rejection_sweep_H200_s7_skip2_{bf16,fp32}.csv: (32, 1, 151936)
+#                   bf16 34.0 -> 28.5 us, (128, 4, 32000) bf16 43.5 -> 38.7, (128, 1, 32000) fp32 30.7 -> 28.2,
+#                   (8, 4, 32000) fp32 14.6 -> 13.1; no measured shape slower by more than 1%), except fp32 logits
+#                   with V <= FP32_SMALL_VOCAB and K >= 8 (their 2048-wide prefetched statistics plan: (1, 8, 32000)
+#                   9.5 -> 10.3 us, results/rejection_sweep_H200_s7_skip_check_fp32.csv), where None keeps them
 TUNE_DEFAULT = dict(fuse=True, race_tiles=None, race_warps=None, race_programs=None, stats_programs=4, stats_block=None,
-                    stats_warps=None, stats_prefetch=None, tight_sp2=True, pdl=None, stats_only=False, stages=None)
+                    stats_warps=None, stats_prefetch=None, tight_sp2=True, pdl=None, stats_only=False, stages=None,
+                    skip_bonus=None)
 # automatic choices (None above), each measured on an H200 (benchmarks/NOTES_rejection.md, v5):
 #   stats_prefetch None: on for B >= 16 with the 4096 tile (B (K+1) tiles >= 4 per SM), with 16 warps when the stats
 #                   grid has one program per (row, position) (B (K+1) >= stats_programs * SMs; (128, 8): stats
@@ -816,6 +825,16 @@ def _auto_stages(num_positions: int, batch: int, vocab: int, element_size: int) 
         return ()
     return (3,)
 
+
+
+def _skip_bonus(setting, element_size: int, vocab: int, num_drafts: int, greedy_rows: bool) -> bool:
+    """Whether the statistics launches leave out the bonus position (``tune['skip_bonus']``, None = automatic).
+    Greedy rows need its arg-max, so a batch that may hold one never skips."""
+    if greedy_rows or num_drafts < 1:
+        return False
+    if setting is None:
+        return not (element_size == 4 and vocab <= FP32_SMALL_VOCAB and num_drafts >= 8)
+    return bool(setting)
 
 
 def _race_plan(element_size: int, batch: int, cfg: dict, num_warps: int | None, interpret: bool,
@@ -925,6 +944,11 @@ def rejection_sample_triton(
             raise ValueError(f"unknown tune keys {sorted(unknown)}")
         cfg.update(tune)
     pairs = batch * num_positions
+    # Without greedy rows the bonus position needs no statistics (its race uses the raw logits, its accept test does
+    # not exist): the statistics launches cover positions 0 .. K-1 only (skip_bonus); the tiles and splits stay those
+    # of all K+1 positions.
+    skip_bonus = _skip_bonus(cfg["skip_bonus"], target.element_size(), vocab, num_drafts, has_mask or all_greedy)
+    stat_positions = num_positions - 1 if skip_bonus else num_positions
     if block_v is not None:
         block = block_v
     elif _INTERPRET:
@@ -969,6 +993,7 @@ def rejection_sample_triton(
     else:
         draft_logprob = alpha = alpha_part = stats  # unused placeholders
     stages = _stage_plan(num_positions, batch, compute_scores, cfg["stages"], vocab, target.element_size())
+    stages = [(lo, min(count, stat_positions - lo)) for lo, count in stages if lo < stat_positions]
     for index, (pos_lo, pos_count) in enumerate(stages):
         last = index == len(stages) - 1
         _stats_kernel[(batch * pos_count, splits)](
@@ -983,6 +1008,7 @@ def rejection_sample_triton(
     _race_kernel[(batch, splits2)](
         target, draft, tokens_in, counts_arg, mask_arg, seeds, offsets, stats, argmax, race, info, draft_logprob,
         alpha_part, counter, tokens, num_accepted, alpha, inv_t, vocab, num_drafts, splits, chunk2, splits2,
+        stat_positions,
         COMPUTE_SCORES=compute_scores, KP2=kp2, JP2=jp2, SP2=_sp2(splits, cfg["tight_sp2"]), TILES=race_tiles,
         RACE_TILE=RACE_TILE, TILE_BASE=TILE_INDEX_BASE, SINGLE=chunk2 == race_tiles * RACE_TILE, FUSE=fuse,
         SP2B=_sp2(splits2, cfg["tight_sp2"]), MASS_EPS=RESIDUAL_MASS_EPS,

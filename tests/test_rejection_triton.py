@@ -112,6 +112,35 @@ def test_launch_plans_are_exact_with_scores_greedy_rows_and_ragged_drafts(plan):
     assert_matches_reference(target, draft, drafts, seeds, offsets, 0.0, strategies=("split",), tune=tune)
 
 
+@pytest.mark.parametrize("skip_bonus", [True, False])
+@pytest.mark.parametrize("num_drafts", [1, 4])
+def test_skipping_the_bonus_statistics_is_exact_for_sampled_batches(num_drafts, skip_bonus):
+    # skip_bonus (the default): without greedy rows the bonus position gets no statistics programs; its race (and
+    # the bonus token) must not depend on them. Rows accept every draft (bonus) or stop earlier; ragged counts,
+    # scores, 1-4 splits.
+    target, draft, drafts, seeds, offsets = make_case(6, num_drafts, 700, torch.float32, seed=45 + num_drafts,
+                                                      noise=0.2)
+    counts = torch.tensor([num_drafts, 0, 1, num_drafts, num_drafts, 1], device=DEVICE)
+    for splits in (1, 4):
+        ref = assert_matches_reference(target, draft, drafts, seeds, offsets, 1.0, strategies=("split",),
+                                       block_v=64, num_splits=splits, tune=dict(skip_bonus=skip_bonus),
+                                       num_draft_tokens=counts, compute_scores=True)
+        assert bool((ref[1] == counts).any())  # some rows reach the bonus position
+    # greedy rows need the bonus arg-max: skip_bonus is ignored for them
+    assert_matches_reference(target, draft, drafts, seeds, offsets, 0.0, strategies=("split",), block_v=64,
+                             num_splits=2, tune=dict(skip_bonus=skip_bonus))
+
+
+def test_skip_bonus_rule():
+    from specdec.kernels.rejection_sampling import FP32_SMALL_VOCAB, _skip_bonus
+
+    assert _skip_bonus(None, 2, 151936, 8, False) and _skip_bonus(None, 2, 32000, 1, False)
+    assert _skip_bonus(None, 4, FP32_SMALL_VOCAB, 4, False) and _skip_bonus(None, 4, 151936, 8, False)
+    assert not _skip_bonus(None, 4, FP32_SMALL_VOCAB, 8, False)  # fp32 small-vocabulary plan with K >= 8
+    assert not _skip_bonus(True, 2, 32000, 4, True)  # greedy rows need the bonus arg-max
+    assert not _skip_bonus(True, 2, 32000, 0, False) and not _skip_bonus(False, 2, 32000, 4, False)
+
+
 def test_race_plan_rule_picks_the_one_warp_race_for_fp32_batches_of_32_or_more():
     from specdec.kernels.rejection_sampling import FP32_ONE_WARP_RACE_BATCH, TUNE_DEFAULT, _race_plan
 
