@@ -73,10 +73,9 @@ def kernel_times(batch: int, num_drafts: int, vocab: int, dtype: torch.dtype, ca
             fns[i % len(fns)]()
         torch.cuda.synchronize()
     totals: dict[str, float] = defaultdict(float)
-    for event in prof.key_averages():
-        if event.device_type == torch.autograd.DeviceType.CUDA or getattr(event, "self_device_time_total", 0):
-            totals[event.key] += getattr(event, "self_device_time_total", 0.0) / calls
-    totals = {key: value for key, value in totals.items() if value > 0}
+    for event in prof.key_averages():  # kernels carry their own device time; host-side events carry none
+        if event.self_device_time_total > 0:
+            totals[event.key] += event.self_device_time_total / calls
     totals["graph_call_median"] = graph_call
     totals["graph_stats_kernel_alone_median"] = graph_stats
     return totals

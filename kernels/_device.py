@@ -19,6 +19,11 @@ def _cuda_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
+@functools.cache
+def _cuda_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
 def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
@@ -31,3 +36,8 @@ def sm_count(device: torch.device) -> int:
 def device_name(device: torch.device) -> str:
     """``torch.cuda.get_device_name`` of a CUDA device; ``""`` elsewhere."""
     return _cuda_name(_index(device)) if device.type == "cuda" else ""
+
+
+def major_capability(device: torch.device) -> int:
+    """Major compute capability of a CUDA device (9 on Hopper); 0 elsewhere."""
+    return _cuda_major(_index(device)) if device.type == "cuda" else 0

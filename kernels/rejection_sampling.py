@@ -76,7 +76,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import sm_count
+from ._device import major_capability, sm_count
 from .rejection_sampling_reference import RACE_TILE, RESIDUAL_MASS_EPS, TILE_INDEX_BASE
 from .rng import stream_keys_tl, uniform_from_keys_tl
 
@@ -697,17 +697,6 @@ def _seq_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy_
 # ---------------------------------------------------------------------------------------------------------------
 # Launcher
 
-_CAPABILITY: dict[int, int] = {}
-
-
-def _capability(device: torch.device) -> int:
-    """Major compute capability (programmatic dependent launch needs sm_90+)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABILITY:
-        _CAPABILITY[index] = torch.cuda.get_device_capability(index)[0]
-    return _CAPABILITY[index]
-
-
 def _sp2(splits: int, tight: bool = True) -> int:
     """Width of the combine tiles: the next power of two (at least 2 on the GPU); ``tight=False`` (v4) used the
     fixed maximum on the GPU (one compiled variant, but a [K+1, 256] combine in every race program)."""
@@ -827,7 +816,7 @@ def _auto_stages(num_positions: int, batch: int, vocab: int, element_size: int) 
 
 
 
-def _skip_bonus(setting, element_size: int, vocab: int, num_drafts: int, greedy_rows: bool) -> bool:
+def _skip_bonus(setting: bool | None, element_size: int, vocab: int, num_drafts: int, greedy_rows: bool) -> bool:
     """Whether the statistics launches leave out the bonus position (``tune['skip_bonus']``, None = automatic).
     Greedy rows need its arg-max, so a batch that may hold one never skips."""
     if greedy_rows or num_drafts < 1:
@@ -978,7 +967,7 @@ def rejection_sample_triton(
     if _INTERPRET:
         pdl = 0
     elif cfg["pdl"] is None:
-        pdl = 2 if (batch <= 8 and _capability(device) >= 9) else 0
+        pdl = 2 if (batch <= 8 and major_capability(device) >= 9) else 0  # PDL needs sm_90+
     else:
         pdl = int(cfg["pdl"])
     stats = torch.empty((pairs, splits, 4), dtype=torch.float32, device=device)

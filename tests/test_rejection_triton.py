@@ -113,7 +113,7 @@ def test_launch_plans_are_exact_with_scores_greedy_rows_and_ragged_drafts(plan):
 
 
 class _StatsLaunchSpy:
-    """Stands in for ``_stats_kernel``: records the positions each launch covers, then launches the real kernel."""
+    """Stands in for ``_stats_kernel``: counts the positions the launches cover, then launches the real kernel."""
 
     def __init__(self, kernel, batch: int):
         self.kernel, self.batch, self.positions = kernel, batch, 0
@@ -121,6 +121,11 @@ class _StatsLaunchSpy:
     def __getitem__(self, grid):
         self.positions += grid[0] // self.batch
         return self.kernel[grid]
+
+    def take(self) -> int:
+        """Positions launched since the last call."""
+        positions, self.positions = self.positions, 0
+        return positions
 
 
 @pytest.mark.parametrize("skip_bonus", [True, False])
@@ -133,36 +138,28 @@ def test_skipping_the_bonus_statistics_is_exact_and_launches_k_positions(num_dra
     import specdec.kernels.rejection_sampling as kernel
 
     batch = 6
+    spy = _StatsLaunchSpy(kernel._stats_kernel, batch)
+    monkeypatch.setattr(kernel, "_stats_kernel", spy)
     target, draft, drafts, seeds, offsets = make_case(batch, num_drafts, 700, torch.float32, seed=45 + num_drafts,
                                                       noise=0.2)
     counts = torch.tensor([num_drafts, 0, 1, num_drafts, num_drafts, 1], device=DEVICE)
-
-    def run(temperature, **kwargs):
-        spy = _StatsLaunchSpy(kernel._stats_kernel, batch)
-        monkeypatch.setattr(kernel, "_stats_kernel", spy)
-        ref = assert_matches_reference(target, draft, drafts, seeds, offsets, temperature, strategies=("split",),
-                                       block_v=64, tune=dict(skip_bonus=skip_bonus), **kwargs)
-        monkeypatch.setattr(kernel, "_stats_kernel", spy.kernel)
-        return ref, spy.positions
-
     for splits, scores in ((1, True), (4, True), (2, False)):
-        ref, positions = run(1.0, num_splits=splits, num_draft_tokens=counts, compute_scores=scores)
+        ref = assert_matches_reference(target, draft, drafts, seeds, offsets, 1.0, strategies=("split",),
+                                       block_v=64, num_splits=splits, tune=dict(skip_bonus=skip_bonus),
+                                       num_draft_tokens=counts, compute_scores=scores)
         assert bool((ref[1] == counts).any())  # some rows reach the bonus position
-        assert positions == (num_drafts if skip_bonus else num_drafts + 1)
+        assert spy.take() == (num_drafts if skip_bonus else num_drafts + 1)
     # greedy rows need the bonus arg-max: no skipping with a greedy mask or at T = 0. Drafts equal to the target's
     # arg-max make every greedy row accept all its drafts and take the bonus token.
     greedy_drafts = target[:, :num_drafts].float().argmax(dim=-1)
     for temperature, mask in ((0.0, None), (0.8, torch.arange(batch, device=DEVICE) % 2 == 0)):
         ref = rejection_sample_reference(target, draft, greedy_drafts, seeds, offsets, temperature, greedy_mask=mask)
-        spy = _StatsLaunchSpy(kernel._stats_kernel, batch)
-        monkeypatch.setattr(kernel, "_stats_kernel", spy)
         out = rejection_sample_triton(target, draft, greedy_drafts, seeds, offsets, temperature, greedy_mask=mask,
                                       num_splits=2, block_v=64, tune=dict(skip_bonus=skip_bonus))
-        monkeypatch.setattr(kernel, "_stats_kernel", spy.kernel)
         assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
         greedy_rows = torch.ones(batch, dtype=torch.bool, device=DEVICE) if mask is None else mask
         assert bool((out[1][greedy_rows] == num_drafts).all())  # they all reached the bonus position
-        assert spy.positions == num_drafts + 1
+        assert spy.take() == num_drafts + 1
 
 
 def test_skip_bonus_rule():
