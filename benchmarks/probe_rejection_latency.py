@@ -9,12 +9,14 @@
    graph-replayed time of the whole call and of the statistics kernel alone, at B = 1 for every (K, V) of the grid.
 
 Usage: python benchmarks/probe_rejection_latency.py [--dtype bf16] [--out results/rejection_latency_<gpu>.csv]
+       [--shapes V:B:K,...] [--tunes '{}';'{"race_programs": 32}'] [--skip-floor]
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import sys
 from collections import defaultdict
@@ -59,13 +61,15 @@ def launch_floor(programs: int) -> dict[str, tuple[float, float, float]]:
     return {name: time_graph([fn] * 8) for name, fn in (("one", one), ("two", two), ("two_pdl", two_pdl))}
 
 
-def kernel_times(batch: int, num_drafts: int, vocab: int, dtype: torch.dtype, calls: int = 200) -> dict[str, float]:
+def kernel_times(batch: int, num_drafts: int, vocab: int, dtype: torch.dtype, calls: int = 200,
+                 tune: dict | None = None) -> dict[str, float]:
     """Mean device µs per call of each kernel the call launches (profiler), plus the graph-replayed call."""
     sets = [make_inputs(batch, num_drafts, vocab, dtype, seed=s) for s in range(4)]
-    fns = [lambda s=s: rejection_sample_triton(s["target"], s["draft"], s["drafts"], s["seeds"], s["offsets"], 1.0)
-           for s in sets]
+    fns = [lambda s=s: rejection_sample_triton(s["target"], s["draft"], s["drafts"], s["seeds"], s["offsets"], 1.0,
+                                               tune=tune) for s in sets]
     stats_only = [lambda s=s: rejection_sample_triton(s["target"], s["draft"], s["drafts"], s["seeds"],
-                                                      s["offsets"], 1.0, tune=dict(stats_only=True)) for s in sets]
+                                                      s["offsets"], 1.0, tune=dict(tune or {}, stats_only=True))
+                  for s in sets]
     # graphs first: an active profiler session slows later launches
     graph_call, graph_stats = time_graph(fns)[0], time_graph(stats_only)[0]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -85,28 +89,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--out", default="")
+    parser.add_argument("--shapes", default="", help="V:B:K triples (default: B = 1 at every (K, V) of the grid)")
+    parser.add_argument("--tunes", default="{}", help="';'-separated JSON tune dicts, each probed at every shape")
+    parser.add_argument("--skip-floor", action="store_true", help="do not time the empty kernels")
     args = parser.parse_args()
     env = environment()
     gpu = torch.cuda.get_device_name()
     rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for programs in (1, 4 * sms):
+    for programs in () if args.skip_floor else (1, 4 * sms):
         for name, (med, p20, p80) in launch_floor(programs).items():
             print(f"empty kernels {name:8s} programs={programs:4d}: {med:6.2f} us (p20 {p20:.2f}, p80 {p80:.2f})",
                   flush=True)
             rows.append(dict(what=f"empty_{name}", programs=programs, median_us=f"{med:.2f}", p20_us=f"{p20:.2f}",
                              p80_us=f"{p80:.2f}"))
-    for vocab in (151936, 128256, 32000):
-        for num_drafts in (1, 4, 8):
-            times = kernel_times(1, num_drafts, vocab, DTYPES[args.dtype])
+    shapes = ([tuple(int(x) for x in item.split(":")) for item in args.shapes.split(",")] if args.shapes else
+              [(vocab, 1, num_drafts) for vocab in (151936, 128256, 32000) for num_drafts in (1, 4, 8)])
+    for tune_text in args.tunes.split(";"):
+        tune = json.loads(tune_text)
+        for vocab, batch, num_drafts in shapes:
+            times = kernel_times(batch, num_drafts, vocab, DTYPES[args.dtype], tune=tune)
             parts = ", ".join(f"{key.split('(')[0][:24]} {value:.2f}" for key, value in sorted(times.items()))
-            print(f"B=1 K={num_drafts} V={vocab} {args.dtype}: {parts}", flush=True)
+            print(f"B={batch} K={num_drafts} V={vocab} {args.dtype} tune={tune}: {parts}", flush=True)
             for key, value in times.items():
-                rows.append(dict(what=key.split("(")[0][:60], B=1, K=num_drafts, V=vocab, dtype=args.dtype,
-                                 median_us=f"{value:.2f}"))
+                rows.append(dict(what=key.split("(")[0][:60], B=batch, K=num_drafts, V=vocab, dtype=args.dtype,
+                                 tune=json.dumps(tune), median_us=f"{value:.2f}"))
     out = args.out or os.path.join(os.path.dirname(__file__), "results",
                                    f"rejection_latency_{gpu.replace(' ', '_')}.csv")
-    fields = ["what", "programs", "B", "K", "V", "dtype", "median_us", "p20_us", "p80_us", "gpu", "torch", "triton"]
+    fields = ["what", "programs", "B", "K", "V", "dtype", "tune", "median_us", "p20_us", "p80_us", "gpu", "torch",
+              "triton"]
     with open(out, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
