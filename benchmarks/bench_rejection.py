@@ -158,6 +158,14 @@ SWEEP = {
     "race_t1w1_prog32": dict(race_tiles=1, race_warps=1, race_programs=32),
     "race_t2w1_prog16": dict(race_tiles=2, race_warps=1, race_programs=16),
     "no_skip_bonus": dict(skip_bonus=False),
+    # statistics grid sizes around one wave (programs per SM target; the chunk rounding moves the real grid)
+    "stats_prog2": dict(stats_programs=2),
+    "stats_prog4": dict(stats_programs=4),
+    "stats_prog3": dict(stats_programs=3),
+    "stats_prog5": dict(stats_programs=5),
+    "stats_prog6": dict(stats_programs=6),
+    "stats:prog3": dict(stats_programs=3, stats_only=True),
+    "stats:prog6": dict(stats_programs=6, stats_only=True),
 }
 # Earlier sweeps (results/rejection_sweep_H200_v5..v9*.csv) also timed other settings; every row records its tune.
 SWEEP_SMALL = ("default", "stats_pf", "stats_nopf", "race_t4w4", "stats_prog8", "pdl0", "stats:default")

@@ -734,7 +734,8 @@ SEQ_MIN_BATCH = 1 << 62
 #                   fp32 logits with B >= FP32_ONE_WARP_RACE_BATCH: (1, 1), see below
 #   race_programs   race grid target, in programs per SM (splits2 = cdiv(race_programs * SMs, B), capped by tiles);
 #                   None: 4, or 16 with the fp32 one-warp race
-#   stats_programs  stats grid target, in programs per SM
+#   stats_programs  stats grid target, in programs per SM; None: 4, or 2 for fp32 logits with V <= FP32_SMALL_VOCAB,
+#                   K >= 8 and B <= 8 (see _stats_programs)
 #   stats_block/warps  stats tile and warps (None: 4096 / 8 warps when the grid has >= 4 tiles per SM, else 1024 / 4)
 #   tight_sp2       combine tiles sized to the real number of splits (v4: always 256 wide on the GPU)
 #   pdl             0 off; 1 race kernel launched with programmatic dependent launch (prologue before gdc_wait);
@@ -749,9 +750,9 @@ SEQ_MIN_BATCH = 1 << 62
 #                   (8, 4, 32000) fp32 14.6 -> 13.1; no measured shape slower by more than 1%), except fp32 logits
 #                   with V <= FP32_SMALL_VOCAB and K >= 8 (their 2048-wide prefetched statistics plan: (1, 8, 32000)
 #                   9.5 -> 10.3 us, results/rejection_sweep_H200_s7_skip_check_fp32.csv), where None keeps them
-TUNE_DEFAULT = dict(fuse=True, race_tiles=None, race_warps=None, race_programs=None, stats_programs=4, stats_block=None,
-                    stats_warps=None, stats_prefetch=None, tight_sp2=True, pdl=None, stats_only=False, stages=None,
-                    skip_bonus=None)
+TUNE_DEFAULT = dict(fuse=True, race_tiles=None, race_warps=None, race_programs=None, stats_programs=None,
+                    stats_block=None, stats_warps=None, stats_prefetch=None, tight_sp2=True, pdl=None, stats_only=False,
+                    stages=None, skip_bonus=None)
 # automatic choices (None above), each measured on an H200 (benchmarks/NOTES_rejection.md, v5):
 #   stats_prefetch None: on for B >= 16 with the 4096 tile (B (K+1) tiles >= 4 per SM), with 16 warps when the stats
 #                   grid has one program per (row, position) (B (K+1) >= stats_programs * SMs; (128, 8): stats
@@ -824,6 +825,19 @@ def _skip_bonus(setting: bool | None, element_size: int, vocab: int, num_drafts:
     if setting is None:
         return not (element_size == 4 and vocab <= FP32_SMALL_VOCAB and num_drafts >= 8)
     return bool(setting)
+
+
+def _stats_programs(setting: int | None, element_size: int, vocab: int, num_drafts: int, batch: int) -> int:
+    """Statistics grid target in programs per SM (``tune['stats_programs']``, None = automatic): 4, except 2 for
+    fp32 logits with V <= FP32_SMALL_VOCAB, K >= 8 and B <= 8. There every race program combines (K + 1) x S
+    partials and the statistics are a few short programs: halving S cost the statistics little and the call gained
+    13% at (8, 8, 32000) (H100, results/rejection_sweep_H100_80GB_HBM3_s8_waves_fp32.csv: 19.6 -> 17.0 us), while
+    (32, 8, 32000) lost 7% with it and bf16 (8, 8, 32000) 8%."""
+    if setting is None:
+        return 2 if (element_size == 4 and vocab <= FP32_SMALL_VOCAB and num_drafts >= 8 and batch <= 8) else 4
+    if int(setting) < 1:
+        raise ValueError(f"tune['stats_programs'] must be None or >= 1 (programs per SM), got {setting}")
+    return int(setting)
 
 
 def _race_plan(element_size: int, batch: int, cfg: dict, num_warps: int | None, interpret: bool,
@@ -949,19 +963,20 @@ def rejection_sample_triton(
     else:
         block = 4096 if pairs * triton.cdiv(vocab, 4096) >= 4 * sms else 1024
     prefetch = cfg["stats_prefetch"]
+    stats_programs = _stats_programs(cfg["stats_programs"], target.element_size(), vocab, num_drafts, batch)
     auto_warps = 8 if block >= 4096 else 4
     if prefetch is None:
         auto_plan = not _INTERPRET and block_v is None and cfg["stats_block"] is None
         fp32_small = target.element_size() == 4 and vocab <= FP32_SMALL_VOCAB
         prefetch = auto_plan and (fp32_small or (block == 4096 and batch >= 16))
-        if prefetch and not fp32_small and pairs >= cfg["stats_programs"] * sms:
+        if prefetch and not fp32_small and pairs >= stats_programs * sms:
             auto_warps = 16
     warps = num_warps or cfg["stats_warps"] or auto_warps
     race_tiles, race_warps, race_programs = _race_plan(target.element_size(), batch, cfg, num_warps, _INTERPRET,
                                                        vocab)
     max_splits = num_splits if num_splits is not None else (2 if _INTERPRET else _MAX_SPLITS)
     max_splits = min(max_splits, _MAX_SPLITS)
-    chunk, splits = _split_plan(vocab, block, pairs, cfg["stats_programs"] * sms, max_splits)
+    chunk, splits = _split_plan(vocab, block, pairs, stats_programs * sms, max_splits)
     chunk2, splits2 = _split_plan(vocab, race_tiles * RACE_TILE, batch, race_programs * sms, max_splits)
     fuse = bool(cfg["fuse"])
     if _INTERPRET:

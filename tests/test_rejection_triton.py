@@ -206,6 +206,18 @@ def test_unknown_tune_key_is_an_error():
         rejection_sample_triton(*case, 1.0, tune={"stages": 3})
     with pytest.raises(ValueError, match=r"tune\['stages'\]"):
         rejection_sample_triton(*case, 1.0, tune={"stages": (0, 2)})
+    with pytest.raises(ValueError, match=r"tune\['stats_programs'\]"):
+        rejection_sample_triton(*case, 1.0, tune={"stats_programs": 0})
+
+
+def test_stats_programs_rule_halves_the_statistics_grid_for_small_fp32_batches_with_eight_drafts():
+    from specdec.kernels.rejection_sampling import FP32_SMALL_VOCAB, _stats_programs
+
+    assert _stats_programs(None, 4, 32000, 8, 8) == 2 and _stats_programs(None, 4, FP32_SMALL_VOCAB, 12, 1) == 2
+    assert _stats_programs(None, 4, 32000, 8, 16) == 4  # (32, 8, 32000) lost with 2
+    assert _stats_programs(None, 4, 32000, 4, 8) == 4 and _stats_programs(None, 4, 151936, 8, 8) == 4
+    assert _stats_programs(None, 2, 32000, 8, 8) == 4  # bf16 lost with 2
+    assert _stats_programs(6, 2, 32000, 8, 8) == 6  # an explicit setting wins
 
 
 @pytest.mark.parametrize("vocab", [1, 3])
