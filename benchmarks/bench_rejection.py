@@ -166,6 +166,9 @@ SWEEP = {
     "stats_prog6": dict(stats_programs=6),
     "stats:prog3": dict(stats_programs=3, stats_only=True),
     "stats:prog6": dict(stats_programs=6, stats_only=True),
+    "skip_bonus": dict(skip_bonus=True),
+    "skip_bonus_prog2": dict(skip_bonus=True, stats_programs=2),
+    "no_skip_bonus_prog2": dict(skip_bonus=False, stats_programs=2),
 }
 # Earlier sweeps (results/rejection_sweep_H200_v5..v9*.csv) also timed other settings; every row records its tune.
 SWEEP_SMALL = ("default", "stats_pf", "stats_nopf", "race_t4w4", "stats_prog8", "pdl0", "stats:default")

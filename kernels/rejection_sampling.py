@@ -735,7 +735,7 @@ SEQ_MIN_BATCH = 1 << 62
 #   race_programs   race grid target, in programs per SM (splits2 = cdiv(race_programs * SMs, B), capped by tiles);
 #                   None: 4, or 16 with the fp32 one-warp race
 #   stats_programs  stats grid target, in programs per SM; None: 4, or 2 for fp32 logits with V <= FP32_SMALL_VOCAB,
-#                   K >= 8 and B <= 8 (see _stats_programs)
+#                   K >= 5 and B <= 8 (see _stats_programs)
 #   stats_block/warps  stats tile and warps (None: 4096 / 8 warps when the grid has >= 4 tiles per SM, else 1024 / 4)
 #   tight_sp2       combine tiles sized to the real number of splits (v4: always 256 wide on the GPU)
 #   pdl             0 off; 1 race kernel launched with programmatic dependent launch (prologue before gdc_wait);
@@ -748,8 +748,9 @@ SEQ_MIN_BATCH = 1 << 62
 #                   read nothing; H200, results/rejection_sweep_H200_s7_skip2_{bf16,fp32}.csv: (32, 1, 151936)
 #                   bf16 34.0 -> 28.5 us, (128, 4, 32000) bf16 43.5 -> 38.7, (128, 1, 32000) fp32 30.7 -> 28.2,
 #                   (8, 4, 32000) fp32 14.6 -> 13.1; no measured shape slower by more than 1%), except fp32 logits
-#                   with V <= FP32_SMALL_VOCAB and K >= 8 (their 2048-wide prefetched statistics plan: (1, 8, 32000)
-#                   9.5 -> 10.3 us, results/rejection_sweep_H200_s7_skip_check_fp32.csv), where None keeps them
+#                   with V <= FP32_SMALL_VOCAB, K >= 8 and B = 1 or B >= 16 (their 2048-wide prefetched statistics
+#                   plan: (1, 8, 32000) 9.5 -> 10.3 us, results/rejection_sweep_H200_s7_skip_check_fp32.csv), where
+#                   None keeps them (see _skip_bonus)
 TUNE_DEFAULT = dict(fuse=True, race_tiles=None, race_warps=None, race_programs=None, stats_programs=None,
                     stats_block=None, stats_warps=None, stats_prefetch=None, tight_sp2=True, pdl=None, stats_only=False,
                     stages=None, skip_bonus=None)
@@ -817,24 +818,32 @@ def _auto_stages(num_positions: int, batch: int, vocab: int, element_size: int) 
 
 
 
-def _skip_bonus(setting: bool | None, element_size: int, vocab: int, num_drafts: int, greedy_rows: bool) -> bool:
+def _skip_bonus(setting: bool | None, element_size: int, vocab: int, num_drafts: int, greedy_rows: bool,
+                batch: int = 1) -> bool:
     """Whether the statistics launches leave out the bonus position (``tune['skip_bonus']``, None = automatic).
-    Greedy rows need its arg-max, so a batch that may hold one never skips."""
+    Greedy rows need its arg-max, so a batch that may hold one never skips. Automatic: skip, except fp32 logits with
+    V <= FP32_SMALL_VOCAB and K >= 8 at B = 1 (H200 and H100: (1, 8, 32000) 10.3 -> 9.5 us and 10.5 -> 9.8 us without
+    the skip) or B >= 16 (equal at (16, 8, 32000) on the H100, B >= 32 not measured). With half the statistics
+    programs (_stats_programs) skipping won at B = 4 and 8 on the H100 ((4, 8, 32000) 14.2 -> 13.4 us, (8, 8, 32000)
+    17.3 -> 16.7; results/rejection_sweep_H100_80GB_HBM3_s8_k5to8b_fp32.csv)."""
     if greedy_rows or num_drafts < 1:
         return False
     if setting is None:
-        return not (element_size == 4 and vocab <= FP32_SMALL_VOCAB and num_drafts >= 8)
+        small_fp32 = element_size == 4 and vocab <= FP32_SMALL_VOCAB and num_drafts >= 8
+        return not (small_fp32 and (batch == 1 or batch >= 16))
     return bool(setting)
 
 
 def _stats_programs(setting: int | None, element_size: int, vocab: int, num_drafts: int, batch: int) -> int:
     """Statistics grid target in programs per SM (``tune['stats_programs']``, None = automatic): 4, except 2 for
-    fp32 logits with V <= FP32_SMALL_VOCAB, K >= 8 and B <= 8. There every race program combines (K + 1) x S
+    fp32 logits with V <= FP32_SMALL_VOCAB, K >= 5 and B <= 8. There every race program combines (K + 1) x S
     partials and the statistics are a few short programs: halving S cost the statistics little and the call gained
-    13% at (8, 8, 32000) (H100, results/rejection_sweep_H100_80GB_HBM3_s8_waves_fp32.csv: 19.6 -> 17.0 us), while
-    (32, 8, 32000) lost 7% with it and bf16 (8, 8, 32000) 8%."""
+    13% at (8, 8, 32000) (H100, results/rejection_sweep_H100_80GB_HBM3_s8_waves_fp32.csv: 19.6 -> 17.0 us), and
+    with the skipped bonus statistics 4-19% at K = 5-7 ((8, 6, 32000) 19.0 -> 15.4 us, (4, 5, 32000) 13.2 -> 12.1;
+    results/rejection_sweep_H100_80GB_HBM3_s8_k5to8b_fp32.csv), while (32, 8, 32000) lost 7% with it, bf16
+    (8, 8, 32000) 8%, and B = 16 was unchanged."""
     if setting is None:
-        return 2 if (element_size == 4 and vocab <= FP32_SMALL_VOCAB and num_drafts >= 8 and batch <= 8) else 4
+        return 2 if (element_size == 4 and vocab <= FP32_SMALL_VOCAB and num_drafts >= 5 and batch <= 8) else 4
     if int(setting) < 1:
         raise ValueError(f"tune['stats_programs'] must be None or >= 1 (programs per SM), got {setting}")
     return int(setting)
@@ -950,7 +959,8 @@ def rejection_sample_triton(
     # Without greedy rows the bonus position needs no statistics (its race uses the raw logits, its accept test does
     # not exist): the statistics launches cover positions 0 .. K-1 only (skip_bonus); the tiles and splits stay those
     # of all K+1 positions.
-    skip_bonus = _skip_bonus(cfg["skip_bonus"], target.element_size(), vocab, num_drafts, has_mask or all_greedy)
+    skip_bonus = _skip_bonus(cfg["skip_bonus"], target.element_size(), vocab, num_drafts, has_mask or all_greedy,
+                             batch)
     stat_positions = num_positions - 1 if skip_bonus else num_positions
     if block_v is not None:
         block = block_v

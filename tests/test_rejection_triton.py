@@ -167,7 +167,10 @@ def test_skip_bonus_rule():
 
     assert _skip_bonus(None, 2, 151936, 8, False) and _skip_bonus(None, 2, 32000, 1, False)
     assert _skip_bonus(None, 4, FP32_SMALL_VOCAB, 4, False) and _skip_bonus(None, 4, 151936, 8, False)
-    assert not _skip_bonus(None, 4, FP32_SMALL_VOCAB, 8, False)  # fp32 small-vocabulary plan with K >= 8
+    # fp32 small-vocabulary plan with K >= 8: no skip at B = 1 or B >= 16, skip at 2 <= B <= 8
+    assert not _skip_bonus(None, 4, FP32_SMALL_VOCAB, 8, False, 1) and not _skip_bonus(None, 4, 32000, 8, False, 16)
+    assert _skip_bonus(None, 4, 32000, 8, False, 2) and _skip_bonus(None, 4, 32000, 12, False, 8)
+    assert _skip_bonus(None, 4, 32000, 7, False, 1) and _skip_bonus(None, 4, 32000, 7, False, 64)
     assert not _skip_bonus(True, 2, 32000, 4, True)  # greedy rows need the bonus arg-max
     assert not _skip_bonus(True, 2, 32000, 0, False) and not _skip_bonus(False, 2, 32000, 4, False)
 
@@ -210,10 +213,11 @@ def test_unknown_tune_key_is_an_error():
         rejection_sample_triton(*case, 1.0, tune={"stats_programs": 0})
 
 
-def test_stats_programs_rule_halves_the_statistics_grid_for_small_fp32_batches_with_eight_drafts():
+def test_stats_programs_rule_halves_the_statistics_grid_for_small_fp32_batches_with_five_or_more_drafts():
     from specdec.kernels.rejection_sampling import FP32_SMALL_VOCAB, _stats_programs
 
     assert _stats_programs(None, 4, 32000, 8, 8) == 2 and _stats_programs(None, 4, FP32_SMALL_VOCAB, 12, 1) == 2
+    assert _stats_programs(None, 4, 32000, 5, 4) == 2
     assert _stats_programs(None, 4, 32000, 8, 16) == 4  # (32, 8, 32000) lost with 2
     assert _stats_programs(None, 4, 32000, 4, 8) == 4 and _stats_programs(None, 4, 151936, 8, 8) == 4
     assert _stats_programs(None, 2, 32000, 8, 8) == 4  # bf16 lost with 2
