@@ -819,7 +819,7 @@ def _auto_stages(num_positions: int, batch: int, vocab: int, element_size: int) 
 
 
 def _skip_bonus(setting: bool | None, element_size: int, vocab: int, num_drafts: int, greedy_rows: bool,
-                batch: int = 1) -> bool:
+                batch: int) -> bool:
     """Whether the statistics launches leave out the bonus position (``tune['skip_bonus']``, None = automatic).
     Greedy rows need its arg-max, so a batch that may hold one never skips. Automatic: skip, except fp32 logits with
     V <= FP32_SMALL_VOCAB and K >= 8 at B = 1 (H200 and H100: (1, 8, 32000) 10.3 -> 9.5 us and 10.5 -> 9.8 us without

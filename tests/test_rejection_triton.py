@@ -165,14 +165,14 @@ def test_skipping_the_bonus_statistics_is_exact_and_launches_k_positions(num_dra
 def test_skip_bonus_rule():
     from specdec.kernels.rejection_sampling import FP32_SMALL_VOCAB, _skip_bonus
 
-    assert _skip_bonus(None, 2, 151936, 8, False) and _skip_bonus(None, 2, 32000, 1, False)
-    assert _skip_bonus(None, 4, FP32_SMALL_VOCAB, 4, False) and _skip_bonus(None, 4, 151936, 8, False)
+    assert _skip_bonus(None, 2, 151936, 8, False, 1) and _skip_bonus(None, 2, 32000, 1, False, 128)
+    assert _skip_bonus(None, 4, FP32_SMALL_VOCAB, 4, False, 1) and _skip_bonus(None, 4, 151936, 8, False, 1)
     # fp32 small-vocabulary plan with K >= 8: no skip at B = 1 or B >= 16, skip at 2 <= B <= 8
     assert not _skip_bonus(None, 4, FP32_SMALL_VOCAB, 8, False, 1) and not _skip_bonus(None, 4, 32000, 8, False, 16)
     assert _skip_bonus(None, 4, 32000, 8, False, 2) and _skip_bonus(None, 4, 32000, 12, False, 8)
     assert _skip_bonus(None, 4, 32000, 7, False, 1) and _skip_bonus(None, 4, 32000, 7, False, 64)
-    assert not _skip_bonus(True, 2, 32000, 4, True)  # greedy rows need the bonus arg-max
-    assert not _skip_bonus(True, 2, 32000, 0, False) and not _skip_bonus(False, 2, 32000, 4, False)
+    assert not _skip_bonus(True, 2, 32000, 4, True, 8)  # greedy rows need the bonus arg-max
+    assert not _skip_bonus(True, 2, 32000, 0, False, 8) and not _skip_bonus(False, 2, 32000, 4, False, 8)
 
 
 def test_race_plan_rule_picks_the_one_warp_race_for_fp32_batches_of_32_or_more():
