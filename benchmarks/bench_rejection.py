@@ -160,8 +160,8 @@ SWEEP = {
     "no_skip_bonus": dict(skip_bonus=False),
     # statistics grid sizes around one wave (programs per SM target; the chunk rounding moves the real grid)
     "stats_prog2": dict(stats_programs=2),
-    "stats_prog4": dict(stats_programs=4),
     "stats_prog3": dict(stats_programs=3),
+    "stats_prog4": dict(stats_programs=4),
     "stats_prog5": dict(stats_programs=5),
     "stats_prog6": dict(stats_programs=6),
     "stats:prog3": dict(stats_programs=3, stats_only=True),

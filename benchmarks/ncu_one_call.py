@@ -28,9 +28,10 @@ def main() -> None:
     args = parser.parse_args()
     vocab, batch, num_drafts = (int(x) for x in args.shape.split(":"))
     inputs = make_inputs(batch, num_drafts, vocab, DTYPES[args.dtype], seed=0)
+    tune = json.loads(args.tune)
     for _ in range(args.calls):
         rejection_sample_triton(inputs["target"], inputs["draft"], inputs["drafts"], inputs["seeds"],
-                                inputs["offsets"], 1.0, tune=json.loads(args.tune))
+                                inputs["offsets"], 1.0, tune=tune)
     torch.cuda.synchronize()
 
 

@@ -754,7 +754,7 @@ SEQ_MIN_BATCH = 1 << 62
 TUNE_DEFAULT = dict(fuse=True, race_tiles=None, race_warps=None, race_programs=None, stats_programs=None,
                     stats_block=None, stats_warps=None, stats_prefetch=None, tight_sp2=True, pdl=None, stats_only=False,
                     stages=None, skip_bonus=None)
-# automatic choices (None above), each measured on an H200 (benchmarks/NOTES_rejection.md, v5):
+# automatic choices (None above), each measured on an H200 unless said otherwise (benchmarks/NOTES_rejection.md):
 #   stats_prefetch None: on for B >= 16 with the 4096 tile (B (K+1) tiles >= 4 per SM), with 16 warps when the stats
 #                   grid has one program per (row, position) (B (K+1) >= stats_programs * SMs; (128, 8): stats
 #                   208 -> 164 us, 96% of copy). v9 sweep: (32, 8, 32000) 24.7 -> 23.2 us, (32, 4, 151936)
@@ -817,6 +817,10 @@ def _auto_stages(num_positions: int, batch: int, vocab: int, element_size: int) 
     return (3,)
 
 
+def _fp32_small_vocab(element_size: int, vocab: int) -> bool:
+    """fp32 logits with V <= FP32_SMALL_VOCAB: the latency-bound shapes several launch rules single out."""
+    return element_size == 4 and vocab <= FP32_SMALL_VOCAB
+
 
 def _skip_bonus(setting: bool | None, element_size: int, vocab: int, num_drafts: int, greedy_rows: bool,
                 batch: int) -> bool:
@@ -829,8 +833,7 @@ def _skip_bonus(setting: bool | None, element_size: int, vocab: int, num_drafts:
     if greedy_rows or num_drafts < 1:
         return False
     if setting is None:
-        small_fp32 = element_size == 4 and vocab <= FP32_SMALL_VOCAB and num_drafts >= 8
-        return not (small_fp32 and (batch == 1 or batch >= 16))
+        return not (_fp32_small_vocab(element_size, vocab) and num_drafts >= 8 and (batch == 1 or batch >= 16))
     return bool(setting)
 
 
@@ -843,7 +846,7 @@ def _stats_programs(setting: int | None, element_size: int, vocab: int, num_draf
     results/rejection_sweep_H100_80GB_HBM3_s8_k5to8b_fp32.csv), while (32, 8, 32000) lost 7% with it, bf16
     (8, 8, 32000) 8%, and B = 16 was unchanged."""
     if setting is None:
-        return 2 if (element_size == 4 and vocab <= FP32_SMALL_VOCAB and num_drafts >= 5 and batch <= 8) else 4
+        return 2 if (_fp32_small_vocab(element_size, vocab) and num_drafts >= 5 and batch <= 8) else 4
     if int(setting) < 1:
         raise ValueError(f"tune['stats_programs'] must be None or >= 1 (programs per SM), got {setting}")
     return int(setting)
@@ -855,7 +858,7 @@ def _race_plan(element_size: int, batch: int, cfg: dict, num_warps: int | None, 
     one_warp = (element_size == 4 and batch >= FP32_ONE_WARP_RACE_BATCH and not interpret
                 and cfg["race_tiles"] is None and cfg["race_warps"] is None and num_warps is None)
     # small fp32 vocabularies below B = 128: two tiles per one-warp program, 8 programs per SM (see FP32_SMALL_VOCAB)
-    two_tiles = one_warp and vocab <= FP32_SMALL_VOCAB and batch < 128
+    two_tiles = one_warp and _fp32_small_vocab(element_size, vocab) and batch < 128
     race_tiles = (2 if two_tiles else 1) if one_warp else int(cfg["race_tiles"] or (2 if batch <= 2 else 4))
     if race_tiles < 1 or race_tiles & (race_tiles - 1):
         raise ValueError(f"tune['race_tiles'] must be a power of two >= 1, got {race_tiles}")
@@ -962,13 +965,14 @@ def rejection_sample_triton(
     skip_bonus = _skip_bonus(cfg["skip_bonus"], target.element_size(), vocab, num_drafts, has_mask or all_greedy,
                              batch)
     stat_positions = num_positions - 1 if skip_bonus else num_positions
+    fp32_small = _fp32_small_vocab(target.element_size(), vocab)
     if block_v is not None:
         block = block_v
     elif _INTERPRET:
         block = min(1024, max(8, triton.next_power_of_2(vocab)))  # the stats tile is [BLOCK // 8, 8]
     elif cfg["stats_block"] is not None:
         block = cfg["stats_block"]
-    elif target.element_size() == 4 and vocab <= FP32_SMALL_VOCAB:
+    elif fp32_small:
         block = 2048  # 8 KB tiles, prefetched (latency-bound shapes: fewer, wider loads per program)
     else:
         block = 4096 if pairs * triton.cdiv(vocab, 4096) >= 4 * sms else 1024
@@ -977,7 +981,6 @@ def rejection_sample_triton(
     auto_warps = 8 if block >= 4096 else 4
     if prefetch is None:
         auto_plan = not _INTERPRET and block_v is None and cfg["stats_block"] is None
-        fp32_small = target.element_size() == 4 and vocab <= FP32_SMALL_VOCAB
         prefetch = auto_plan and (fp32_small or (block == 4096 and batch >= 16))
         if prefetch and not fp32_small and pairs >= stats_programs * sms:
             auto_warps = 16
