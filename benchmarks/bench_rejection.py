@@ -169,6 +169,14 @@ SWEEP = {
     "skip_bonus": dict(skip_bonus=True),
     "skip_bonus_prog2": dict(skip_bonus=True, stats_programs=2),
     "no_skip_bonus_prog2": dict(skip_bonus=False, stats_programs=2),
+    # session 9: exponentials without the subnormal fix-up (now the default), residual half of level 1 only in
+    # rejected rows and a software-pipelined race loop (both dropped: results/rejection_branch_stages_attempt_s9.diff,
+    # sweeps results/rejection_sweep_H100_80GB_HBM3_s9_{a,b}_*.csv); the speculative first statistics tile (now
+    # always on) was timed with a setting 'spec' that no longer exists
+    "ftz": dict(ftz=True),
+    "noftz": dict(ftz=False),
+    "stats:noftz": dict(ftz=False, stats_only=True),
+    "noftz_pdl0": dict(ftz=False, pdl=0),
 }
 # Earlier sweeps (results/rejection_sweep_H200_v5..v9*.csv) also timed other settings; every row records its tune.
 SWEEP_SMALL = ("default", "stats_pf", "stats_nopf", "race_t4w4", "stats_prog8", "pdl0", "stats:default")

@@ -46,7 +46,11 @@ def compile_sass(block: int, warps: int, stages2: int, loss: bool) -> str:
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE_BY_16}
     source = triton.compiler.ASTSource(fn=_divergence_kernel, signature=signature, constexprs=constexprs,
                                        attrs=attrs)
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    return disassemble(triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)))
+
+
+def disassemble(kernel) -> str:
+    """SASS of a compiled Triton kernel, through the ``cuobjdump`` bundled with Triton."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])

@@ -55,6 +55,9 @@ Two launch strategies compute the same function:
   best ones, takes the level-2 id of the program holding it and writes the outputs (in the rare fallback, rejected
   with residual mass <= RESIDUAL_MASS_EPS, it runs level 2 of the p race itself).
   Splitting the vocabulary keeps every SM busy at B = 1.
+  On the GPU the per-element exponentials of both kernels are one ``ex2.approx.ftz`` each (``tune={"ftz": False}``
+  restores ``tl.exp``): values below 2**-126 flush to 0, which moves no sum or race score by more than ~1e-38
+  relative; the interpreter always uses ``tl.exp``.
 * ``"seq"`` (opt-in; never faster on an H200, see ``benchmarks/NOTES_rejection.md``): one launch, one program per
   row, positions in order with **early exit**: rows past the first rejection are never read. Bytes read are about
   ``2 * (stop + 1) * V`` per row plus the re-read of the stop row for the race, instead of ``(2K + 1) * V``;
@@ -130,7 +133,18 @@ def _argmax_update(best_v, best_i, x, offs, V):
 
 
 @triton.jit
-def _residual_mass_terms(t, d, p, delta):
+def _exp(x, FTZ: tl.constexpr):
+    """``exp(x)`` in fp32; FTZ: one ``ex2.approx.ftz`` (results below 2**-126 flush to 0) instead of ``tl.exp``'s
+    ex2 with its subnormal range fix-up (a compare and two predicated multiplies per element)."""
+    if FTZ:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * 1.4426950408889634],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _residual_mass_terms(t, d, p, delta, FTZ: tl.constexpr):
     """max(0, p - q) per element, computed as ``p * (1 - q/p)`` with ``q/p = exp(z)``, ``z = (d - t) - delta``.
 
     ``delta = L_d - L_t`` is passed as ``(m_d - m_t) + log(S_d / S_t)``: no rounded ``L`` (an fp32 number ~10-40
@@ -140,13 +154,13 @@ def _residual_mass_terms(t, d, p, delta):
     """
     z = (d - t) - delta
     series = -z * (1.0 + z * (0.5 + z * (1.0 / 6.0)))
-    one_minus = tl.where(tl.abs(z) < 1e-2, series, 1.0 - tl.exp(z))
+    one_minus = tl.where(tl.abs(z) < 1e-2, series, 1.0 - _exp(z, FTZ))
     return tl.where(z < 0.0, p * one_minus, 0.0)
 
 
 @triton.jit
 def _tile_race_update(t, d, lt, delta, tile, rk_a, rk_b, best_r, tile_r, best_p, tile_p, mass,
-                      TILE_BASE: tl.constexpr):
+                      TILE_BASE: tl.constexpr, FTZ: tl.constexpr):
     """Level 1 of the two-level race for ``TILES`` tiles at once (``t``, ``d``: [TILES, RACE_TILE] scaled logits,
     ``tile``: [TILES] tile indices).
 
@@ -157,10 +171,10 @@ def _tile_race_update(t, d, lt, delta, tile, rk_a, rk_b, best_r, tile_r, best_p,
     ``mass`` accumulates ``W_r`` per lane; ``lt = -inf`` (no rejection at this row) leaves the residual at 0."""
     m_c = tl.max(t, axis=1)
     safe = tl.where(m_c == float("-inf"), 0.0, m_c)
-    e = tl.exp(t - safe[:, None])
+    e = _exp(t - safe[:, None], FTZ)
     s_e = tl.sum(e, axis=1)
     p = e * tl.where(lt > float("-inf"), tl.exp(safe - lt), 0.0)[:, None]
-    w_r = tl.sum(_residual_mass_terms(t, d, p, delta), axis=1)
+    w_r = tl.sum(_residual_mass_terms(t, d, p, delta, FTZ), axis=1)
     noise = tl.log(-tl.log(uniform_from_keys_tl(rk_a, rk_b, tile.to(tl.uint32) | TILE_BASE)))
     s_r = tl.where(w_r > 0.0, tl.log(w_r), float("-inf")) - noise
     s_p = tl.where(s_e > 0.0, safe + tl.log(s_e), float("-inf")) - noise
@@ -178,14 +192,14 @@ def _lanes_winner(best, idx, none):
 
 
 @triton.jit
-def _block_race(t, d, offs, sel, residual, lt, delta, rk_a, rk_b, V):
+def _block_race(t, d, offs, sel, residual, lt, delta, rk_a, rk_b, V, FTZ: tl.constexpr):
     """Level 2 over the ids of a loaded block (``t``, ``d``, ``offs`` of any shape; scaled logits) restricted to
     ``sel``: an exponential race on ``log max(0, p - q)`` (``residual``; the per-element weights of the tile masses)
     or on the scaled target logits (``p`` up to its normaliser). Returns the lowest id of the best score, or ``V``
     when no selected id has a finite score (no tile, or NaN / all ``-inf`` logits)."""
     noise = tl.log(-tl.log(uniform_from_keys_tl(rk_a, rk_b, offs)))
     if residual:
-        w = _residual_mass_terms(t, d, tl.exp(t - lt), delta)
+        w = _residual_mass_terms(t, d, _exp(t - lt, FTZ), delta, FTZ)
         score = tl.where(w > 0.0, tl.log(w), float("-inf")) - noise
     else:
         score = t - noise
@@ -196,13 +210,13 @@ def _block_race(t, d, offs, sel, residual, lt, delta, rk_a, rk_b, V):
 
 @triton.jit
 def _in_tile_race(t_base, d_base, tile, residual, lt, delta, scale, rk_a, rk_b, V, v_d,
-                  RACE_TILE: tl.constexpr):
+                  RACE_TILE: tl.constexpr, FTZ: tl.constexpr):
     """:func:`_block_race` on ``tile``, loaded again (``tile * RACE_TILE >= V``: no tile, returns ``V``)."""
     offs = tile * RACE_TILE + tl.arange(0, RACE_TILE)[None, :]
     inb = offs < V
     t = tl.load(t_base + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale
     d = tl.load(d_base + offs, mask=offs < v_d, other=float("-inf")).to(tl.float32) * scale
-    return _block_race(t, d, offs, inb, residual, lt, delta, rk_a, rk_b, V)
+    return _block_race(t, d, offs, inb, residual, lt, delta, rk_a, rk_b, V, FTZ)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -274,7 +288,7 @@ def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greed
                   HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, ALL_GREEDY: tl.constexpr,
                   COMPUTE_SCORES: tl.constexpr, KP2: tl.constexpr, BLOCK: tl.constexpr,
                   ZERO_COUNTERS: tl.constexpr, PDL_TRIGGER: tl.constexpr, PREFETCH: tl.constexpr,
-                  STAGED: tl.constexpr, JP2: tl.constexpr, SP2: tl.constexpr):
+                  STAGED: tl.constexpr, JP2: tl.constexpr, SP2: tl.constexpr, FTZ: tl.constexpr):
     """Partial (max, sum exp) of target and draft over one vocabulary chunk of one (row, position).
 
     Grid ``(B * pos_count, S)``: positions ``pos_lo .. pos_lo + pos_count - 1`` of every row. STAGED (a launch
@@ -319,9 +333,11 @@ def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greed
     am_v = float("-inf")
     am_i = V
     if PREFETCH:  # the next tile's loads are issued before this tile's arithmetic (more bytes in flight)
-        lim = tl.where(lo < hi, V, 0)
-        t_nx = tl.load(t_base + lo + rows2, mask=lo + rows2 < lim, other=float("-inf"))
-        d_nx = tl.load(d_base + lo + rows2, mask=lo + rows2 < tl.minimum(lim, v_d), other=float("-inf"))
+        # The first tile does not wait for the row's draft ids (n_b, need_t, need_d): it is always in bounds; the
+        # loop never reads it when the position needs no statistics, and draft statistics that need_d excludes are
+        # never used. (H100, results/rejection_sweep_H100_80GB_HBM3_s9_c_{fp32,bf16}.csv: fp32 calls 0-3% faster.)
+        t_nx = tl.load(t_base + lo + rows2, mask=lo + rows2 < V, other=float("-inf"))
+        d_nx = tl.load(d_base + lo + rows2, mask=lo + rows2 < V, other=float("-inf"))
     if STAGED:  # (after the first tile's loads are issued: their latency overlaps the check's)
         if lo < hi:
             stopped = _rejected_before(target_ptr, draft_ptr, draft_tokens_ptr, seeds_ptr, offsets_ptr, stats_ptr,
@@ -341,11 +357,11 @@ def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greed
             d = tl.load(d_base + offs, mask=offs < v_d, other=float("-inf")).to(tl.float32) * scale
         new_t = tl.maximum(m_t, tl.max(t, axis=1))
         safe_t = tl.where(new_t == float("-inf"), 0.0, new_t)
-        s_t = s_t * tl.exp(m_t - safe_t) + tl.sum(tl.exp(t - safe_t[:, None]), axis=1)
+        s_t = s_t * _exp(m_t - safe_t, FTZ) + tl.sum(_exp(t - safe_t[:, None], FTZ), axis=1)
         m_t = new_t
         new_d = tl.maximum(m_d, tl.max(d, axis=1))
         safe_d = tl.where(new_d == float("-inf"), 0.0, new_d)
-        s_d = s_d * tl.exp(m_d - safe_d) + tl.sum(tl.exp(d - safe_d[:, None]), axis=1)
+        s_d = s_d * _exp(m_d - safe_d, FTZ) + tl.sum(_exp(d - safe_d[:, None], FTZ), axis=1)
         m_d = new_d
         if g != 0:
             tile_max = tl.max(tl.max(t, axis=1), axis=0)
@@ -388,7 +404,7 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
                  COMPUTE_SCORES: tl.constexpr, KP2: tl.constexpr, JP2: tl.constexpr, SP2: tl.constexpr,
                  TILES: tl.constexpr, RACE_TILE: tl.constexpr, TILE_BASE: tl.constexpr, SINGLE: tl.constexpr,
                  FUSE: tl.constexpr,
-                 SP2B: tl.constexpr, MASS_EPS: tl.constexpr, PDL_WAIT: tl.constexpr):
+                 SP2B: tl.constexpr, MASS_EPS: tl.constexpr, PDL_WAIT: tl.constexpr, FTZ: tl.constexpr):
     """Accept tests (vectorised over positions), stop position, race over one chunk of the stop row.
 
     race: [B, S2, 6] fp32 (best residual tile score, its tile, best p tile score, its tile, partial residual
@@ -466,11 +482,11 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
         t = tl.load(t_base + offs, mask=offs < lim, other=float("-inf")).to(tl.float32) * scale
         d = tl.load(d_base + offs, mask=offs < tl.minimum(lim, v_d), other=float("-inf")).to(tl.float32) * scale
         best_r, tile_r, best_p, tile_p, mass = _tile_race_update(
-            t, d, lt_stop, delta_stop, tile, rk_a, rk_b, best_r, tile_r, best_p, tile_p, mass, TILE_BASE)
+            t, d, lt_stop, delta_stop, tile, rk_a, rk_b, best_r, tile_r, best_p, tile_p, mass, TILE_BASE, FTZ)
         best_r, win_r = _lanes_winner(best_r, tile_r, NT)
         best_p, win_p = _lanes_winner(best_p, tile_p, NT)
         in_win = tile[:, None] == tl.where(rejected, win_r, win_p)
-        local_id = _block_race(t, d, offs, in_win, rejected, lt_stop, delta_stop, rk_a, rk_b, V)
+        local_id = _block_race(t, d, offs, in_win, rejected, lt_stop, delta_stop, rk_a, rk_b, V, FTZ)
     else:  # loop over blocks with the next block's loads issued before this block's arithmetic
         lim = tl.where(lo < hi, V, 0)
         offs = (lo // RACE_TILE + tiles)[:, None] * RACE_TILE + cols[None, :]
@@ -486,11 +502,11 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
             t_nx = tl.load(t_base + nx, mask=nx < lim, other=float("-inf"))
             d_nx = tl.load(d_base + nx, mask=nx < tl.minimum(lim, v_d), other=float("-inf"))
             best_r, tile_r, best_p, tile_p, mass = _tile_race_update(
-                t, d, lt_stop, delta_stop, tile, rk_a, rk_b, best_r, tile_r, best_p, tile_p, mass, TILE_BASE)
+                t, d, lt_stop, delta_stop, tile, rk_a, rk_b, best_r, tile_r, best_p, tile_p, mass, TILE_BASE, FTZ)
         best_r, win_r = _lanes_winner(best_r, tile_r, NT)
         best_p, win_p = _lanes_winner(best_p, tile_p, NT)
         local_id = _in_tile_race(t_base, d_base, tl.where(rejected, win_r, win_p), rejected, lt_stop, delta_stop,
-                                 scale, rk_a, rk_b, V, v_d, RACE_TILE)
+                                 scale, rk_a, rk_b, V, v_d, RACE_TILE, FTZ)
     out = (b.to(tl.int64) * S2 + split) * 6
     tl.store(race_ptr + out, best_r)
     tl.store(race_ptr + out + 1, win_r.to(tl.float32))
@@ -520,7 +536,7 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
                 a_in = a_offs < V
                 a_t = tl.load(tb + a_offs, mask=a_in, other=float("-inf")).to(tl.float32) * scale
                 a_d = tl.load(db + a_offs, mask=a_in, other=float("-inf")).to(tl.float32) * scale
-                a += tl.sum(tl.exp(tl.minimum(a_t - lt_j, a_d - ld_j)), axis=0)
+                a += tl.sum(_exp(tl.minimum(a_t - lt_j, a_d - ld_j), FTZ), axis=0)
             tl.store(alpha_part_ptr + (b.to(tl.int64) * K + jj) * S2 + split, a)
 
     if FUSE:
@@ -560,7 +576,7 @@ def _finalize_row(draft_tokens_ptr, race_ptr, tokens_ptr, num_accepted_ptr, alph
     win = tl.min(tl.where(smask & (best == top) & (best > float("-inf")), tiles, nt), axis=0)
     sampled = tl.sum(tl.where(smask & (tiles == win), local, 0), axis=0)  # one program holds the winning tile
     if rejected & (not use_r):
-        sampled = _in_tile_race(t_base, t_base, win, False, 0.0, 0.0, scale, rk_a, rk_b, V, 0, RACE_TILE)
+        sampled = _in_tile_race(t_base, t_base, win, False, 0.0, 0.0, scale, rk_a, rk_b, V, 0, RACE_TILE, False)
     sampled = tl.where((win < nt) & (sampled < V), sampled, -1)
     nxt = tl.where(g != 0, greedy_next, sampled)
 
@@ -682,10 +698,11 @@ def _seq_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy_
         t = tl.load(t_base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * scale
         d = tl.load(d_base + offs, mask=offs < v_d, other=float("-inf")).to(tl.float32) * scale
         best_r, tile_r, best_p, tile_p, mass = _tile_race_update(
-            t, d, lt_stop, delta_stop, tile, rk_a, rk_b, best_r, tile_r, best_p, tile_p, mass, TILE_BASE)
+            t, d, lt_stop, delta_stop, tile, rk_a, rk_b, best_r, tile_r, best_p, tile_p, mass, TILE_BASE, False)
     use_r = rejected & (tl.sum(mass, axis=0) > MASS_EPS)
     win = tl.where(use_r, _lanes_winner(best_r, tile_r, NT)[1], _lanes_winner(best_p, tile_p, NT)[1])
-    sampled = _in_tile_race(t_base, d_base, win, use_r, lt_stop, delta_stop, scale, rk_a, rk_b, V, v_d, RACE_TILE)
+    sampled = _in_tile_race(t_base, d_base, win, use_r, lt_stop, delta_stop, scale, rk_a, rk_b, V, v_d, RACE_TILE,
+                             False)
     nxt = tl.where(g != 0, am_stop, sampled)
     nxt = tl.where(nxt < V, nxt, -1)
     xv = tl.load(draft_tokens_ptr + b.to(tl.int64) * K + js, mask=js < K, other=-1)
@@ -751,9 +768,15 @@ SEQ_MIN_BATCH = 1 << 62
 #                   with V <= FP32_SMALL_VOCAB, K >= 8 and B = 1 or B >= 16 (their 2048-wide prefetched statistics
 #                   plan: (1, 8, 32000) 9.5 -> 10.3 us, results/rejection_sweep_H200_s7_skip_check_fp32.csv), where
 #                   None keeps them (see _skip_bonus)
+#   ftz             per-element exponentials as one ``ex2.approx.ftz`` (no subnormal fix-up: 3 fewer instructions per
+#                   exp; results below 2**-126 flush to 0) in both kernels; None: on (GPU). Race loop 426 -> 376
+#                   instructions per 256-id tile at the fp32 one-warp plan (sm_90a SASS); H100 same process
+#                   (results/rejection_sweep_H100_80GB_HBM3_s9_{a,b}_*.csv): bf16 (128, 8, 151936) 193.5 -> 185.9 us,
+#                   (128, 1, 151936) 81.5 -> 76.4, (8, 4, 151936) 20.7 -> 19.6; fp32 (128, 1, 151936) 112.2 ->
+#                   107.1, (32, 1, 32000) 15.7 -> 14.7; no shape slower beyond run-to-run noise
 TUNE_DEFAULT = dict(fuse=True, race_tiles=None, race_warps=None, race_programs=None, stats_programs=None,
                     stats_block=None, stats_warps=None, stats_prefetch=None, tight_sp2=True, pdl=None, stats_only=False,
-                    stages=None, skip_bonus=None)
+                    stages=None, skip_bonus=None, ftz=None)
 # automatic choices (None above), each measured on an H200 unless said otherwise (benchmarks/NOTES_rejection.md):
 #   stats_prefetch None: on for B >= 16 with the 4096 tile (B (K+1) tiles >= 4 per SM), with 16 warps when the stats
 #                   grid has one program per (row, position) (B (K+1) >= stats_programs * SMs; (128, 8): stats
@@ -998,6 +1021,7 @@ def rejection_sample_triton(
         pdl = 2 if (batch <= 8 and major_capability(device) >= 9) else 0  # PDL needs sm_90+
     else:
         pdl = int(cfg["pdl"])
+    ftz = (cfg["ftz"] is None or bool(cfg["ftz"])) and not _INTERPRET  # (inline PTX: GPU only)
     stats = torch.empty((pairs, splits, 4), dtype=torch.float32, device=device)
     argmax = torch.empty((pairs, splits), dtype=torch.int32, device=device)
     race = torch.empty((batch, splits2, 6), dtype=torch.float32, device=device)
@@ -1017,7 +1041,7 @@ def rejection_sample_triton(
             target, draft, tokens_in, counts_arg, mask_arg, stats, argmax, counter, seeds, offsets, inv_t, vocab,
             num_drafts, chunk, splits, pos_lo, pos_count, COMPUTE_SCORES=compute_scores, KP2=kp2, BLOCK=block,
             ZERO_COUNTERS=fuse and index == 0, PDL_TRIGGER=pdl >= 2 and last, PREFETCH=bool(prefetch),
-            STAGED=index > 0, JP2=jp2, SP2=_sp2(splits, cfg["tight_sp2"]), num_warps=warps, **flags,
+            STAGED=index > 0, JP2=jp2, SP2=_sp2(splits, cfg["tight_sp2"]), FTZ=ftz, num_warps=warps, **flags,
         )
     if cfg["stats_only"]:
         return tokens, num_accepted, None, None
@@ -1029,7 +1053,7 @@ def rejection_sample_triton(
         COMPUTE_SCORES=compute_scores, KP2=kp2, JP2=jp2, SP2=_sp2(splits, cfg["tight_sp2"]), TILES=race_tiles,
         RACE_TILE=RACE_TILE, TILE_BASE=TILE_INDEX_BASE, SINGLE=chunk2 == race_tiles * RACE_TILE, FUSE=fuse,
         SP2B=_sp2(splits2, cfg["tight_sp2"]), MASS_EPS=RESIDUAL_MASS_EPS,
-        PDL_WAIT=pdl >= 1, num_warps=race_warps, **launch, **flags,
+        PDL_WAIT=pdl >= 1, FTZ=ftz, num_warps=race_warps, **launch, **flags,
     )
     if not fuse:
         _finalize_kernel[(batch,)](

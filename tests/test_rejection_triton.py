@@ -90,7 +90,7 @@ LAUNCH_PLANS = {
     "default": {},
     "no_fuse": dict(fuse=False),
     "race_tiles_2": dict(race_tiles=2),
-    "prefetch": dict(stats_prefetch=True),
+    "prefetch": dict(stats_prefetch=True),  # its first tile is loaded before the row's draft ids are known
     "one_warp_race": dict(race_tiles=1, race_warps=1, race_programs=16),  # the fp32 plan for B >= 32 on the GPU
 }
 
@@ -475,7 +475,8 @@ GPU_LAUNCH_PLANS = dict(default={}, no_fuse=LAUNCH_PLANS["no_fuse"],
                         prefetch=dict(stats_prefetch=True, stats_block=4096, stats_warps=16),
                         race_tiles4=dict(race_tiles=4, race_warps=4), race_programs8=dict(race_programs=8),
                         no_stats_prefetch=dict(stats_prefetch=False),
-                        one_warp_race=LAUNCH_PLANS["one_warp_race"], pdl1=dict(pdl=1), pdl2=dict(pdl=2))
+                        one_warp_race=LAUNCH_PLANS["one_warp_race"], pdl1=dict(pdl=1), pdl2=dict(pdl=2),
+                        no_ftz=dict(ftz=False))
 
 
 @gpu_only
