@@ -773,7 +773,9 @@ SEQ_MIN_BATCH = 1 << 62
 #                   instructions per 256-id tile at the fp32 one-warp plan (sm_90a SASS); H100 same process
 #                   (results/rejection_sweep_H100_80GB_HBM3_s9_{a,b}_*.csv): bf16 (128, 8, 151936) 193.5 -> 185.9 us,
 #                   (128, 1, 151936) 81.5 -> 76.4, (8, 4, 151936) 20.7 -> 19.6; fp32 (128, 1, 151936) 112.2 ->
-#                   107.1, (32, 1, 32000) 15.7 -> 14.7; no shape slower beyond run-to-run noise
+#                   107.1, (32, 1, 32000) 15.7 -> 14.7. One loss: bf16 (8, 8, 32000) 13.3 -> 15.6 us, only with
+#                   programmatic dependent launch and only at that shape (its neighbours gain 3-5%;
+#                   results/rejection_sweep_H100_80GB_HBM3_s9_{d,e}_bf16.csv)
 TUNE_DEFAULT = dict(fuse=True, race_tiles=None, race_warps=None, race_programs=None, stats_programs=None,
                     stats_block=None, stats_warps=None, stats_prefetch=None, tight_sp2=True, pdl=None, stats_only=False,
                     stages=None, skip_bonus=None, ftz=None)
