@@ -115,6 +115,15 @@ def diagnose(s0, out, ref, num_drafts):
 # finalize time is the difference).
 SWEEP = {
     "default": {},
+    # session 10: L2 eviction priorities (tune['l2_keep'])
+    "l2_off": dict(l2_keep=0),
+    "l2_keep1": dict(l2_keep=1),
+    "l2_keep2": dict(l2_keep=2),
+    # session 10: fewer race programs per row at small B (each combines (K + 1) x S statistics partials)
+    **{f"race_prog{n}": dict(race_programs=n) for n in (1, 2, 3, 4)},
+    **{f"race_t4w4_prog{n}": dict(race_tiles=4, race_warps=4, race_programs=n) for n in (1, 2)},
+    "race_prog2_stats2": dict(race_programs=2, stats_programs=2),
+    "race_prog1_stats2": dict(race_programs=1, stats_programs=2),
     "stats:default": dict(stats_only=True),
     "nofuse": dict(fuse=False),
     "race_t2w2": dict(race_tiles=2, race_warps=2),

@@ -283,12 +283,60 @@ def _rejected_before(target_ptr, draft_ptr, draft_tokens_ptr, seeds_ptr, offsets
 
 
 @triton.jit
+def _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2, BLOCK: tl.constexpr,
+                PREFETCH: tl.constexpr, FTZ: tl.constexpr, EVICT: tl.constexpr):
+    """The statistics kernel's loop over ``[lo, hi)``: lane-wise online log-sum-exp on ``[BLOCK // 8, 8]`` tiles (the
+    axis-1 reductions stay inside a thread or a warp, so a tile needs no block-wide barrier; one exp per element plus
+    one per 8 elements for the rescale) and, for greedy rows, the arg-max. PREFETCH: ``t_nx`` / ``d_nx`` hold the
+    first tile and each tile's successor is loaded before its arithmetic. EVICT: the loads' L2 eviction policy.
+    Returns lane-wise (m_t, s_t, m_d, s_d) and the arg-max id (``V`` when none)."""
+    R: tl.constexpr = BLOCK // 8
+    m_t = tl.full([R], float("-inf"), tl.float32)
+    s_t = tl.zeros([R], tl.float32)
+    m_d = tl.full([R], float("-inf"), tl.float32)
+    s_d = tl.zeros([R], tl.float32)
+    am_v = float("-inf")
+    am_i = V
+    for start in range(lo, hi, BLOCK):
+        offs = start + rows2
+        if PREFETCH:
+            t = t_nx.to(tl.float32) * scale
+            d = d_nx.to(tl.float32) * scale
+            lim = tl.where(start + BLOCK < hi, V, 0)
+            t_nx = tl.load(t_base + offs + BLOCK, mask=offs + BLOCK < lim, other=float("-inf"),
+                           eviction_policy=EVICT)
+            d_nx = tl.load(d_base + offs + BLOCK, mask=offs + BLOCK < tl.minimum(lim, v_d), other=float("-inf"),
+                           eviction_policy=EVICT)
+        else:
+            t = tl.load(t_base + offs, mask=offs < V, other=float("-inf"), eviction_policy=EVICT).to(tl.float32)
+            d = tl.load(d_base + offs, mask=offs < v_d, other=float("-inf"), eviction_policy=EVICT).to(tl.float32)
+            t = t * scale
+            d = d * scale
+        new_t = tl.maximum(m_t, tl.max(t, axis=1))
+        safe_t = tl.where(new_t == float("-inf"), 0.0, new_t)
+        s_t = s_t * _exp(m_t - safe_t, FTZ) + tl.sum(_exp(t - safe_t[:, None], FTZ), axis=1)
+        m_t = new_t
+        new_d = tl.maximum(m_d, tl.max(d, axis=1))
+        safe_d = tl.where(new_d == float("-inf"), 0.0, new_d)
+        s_d = s_d * _exp(m_d - safe_d, FTZ) + tl.sum(_exp(d - safe_d[:, None], FTZ), axis=1)
+        m_d = new_d
+        if g != 0:
+            tile_max = tl.max(tl.max(t, axis=1), axis=0)
+            tile_idx = tl.min(tl.min(tl.where(t == tile_max, offs, V), axis=1), axis=0)
+            upd = tile_max > am_v
+            am_v = tl.where(upd, tile_max, am_v)
+            am_i = tl.where(upd, tile_idx, am_i)
+    return m_t, s_t, m_d, s_d, am_i
+
+
+@triton.jit
 def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy_ptr, stats_ptr, argmax_ptr,
                   counter_ptr, seeds_ptr, offsets_ptr, inv_t, V, K, chunk, S, pos_lo, pos_count,
                   HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, ALL_GREEDY: tl.constexpr,
                   COMPUTE_SCORES: tl.constexpr, KP2: tl.constexpr, BLOCK: tl.constexpr,
                   ZERO_COUNTERS: tl.constexpr, PDL_TRIGGER: tl.constexpr, PREFETCH: tl.constexpr,
-                  STAGED: tl.constexpr, JP2: tl.constexpr, SP2: tl.constexpr, FTZ: tl.constexpr):
+                  STAGED: tl.constexpr, JP2: tl.constexpr, SP2: tl.constexpr, FTZ: tl.constexpr,
+                  keep_positions=0, KEEP_EVICT: tl.constexpr = "", REST_EVICT: tl.constexpr = ""):
     """Partial (max, sum exp) of target and draft over one vocabulary chunk of one (row, position).
 
     Grid ``(B * pos_count, S)``: positions ``pos_lo .. pos_lo + pos_count - 1`` of every row. STAGED (a launch
@@ -326,49 +374,41 @@ def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greed
     # warp), so a tile needs no block-wide barrier; one exp per element plus one per 8 elements for the rescale.
     R: tl.constexpr = BLOCK // 8
     rows2 = tl.arange(0, R)[:, None] * 8 + tl.arange(0, 8)[None, :]
-    m_t = tl.full([R], float("-inf"), tl.float32)
-    s_t = tl.zeros([R], tl.float32)
-    m_d = tl.full([R], float("-inf"), tl.float32)
-    s_d = tl.zeros([R], tl.float32)
-    am_v = float("-inf")
-    am_i = V
+    # L2 priority of the rows a race may read again (keep) and of the others; uniform over the program, so the
+    # branch is taken once, outside the loop (a per-load branch cost 3-7% on the H100)
+    keep = j < keep_positions
+    t_nx = 0.0
+    d_nx = 0.0
     if PREFETCH:  # the next tile's loads are issued before this tile's arithmetic (more bytes in flight)
         # The first tile does not wait for the row's draft ids (n_b, need_t, need_d): it is always in bounds; the
         # loop never reads it when the position needs no statistics, and draft statistics that need_d excludes are
         # never used. (H100, results/rejection_sweep_H100_80GB_HBM3_s9_c_{fp32,bf16}.csv: fp32 calls 0-3% faster.)
-        t_nx = tl.load(t_base + lo + rows2, mask=lo + rows2 < V, other=float("-inf"))
-        d_nx = tl.load(d_base + lo + rows2, mask=lo + rows2 < V, other=float("-inf"))
+        t_nx = tl.zeros([R, 8], t_base.dtype.element_ty)  # (typed for the branches below)
+        d_nx = tl.zeros([R, 8], d_base.dtype.element_ty)
+        if KEEP_EVICT == REST_EVICT:
+            t_nx = tl.load(t_base + lo + rows2, mask=lo + rows2 < V, other=float("-inf"), eviction_policy=KEEP_EVICT)
+            d_nx = tl.load(d_base + lo + rows2, mask=lo + rows2 < V, other=float("-inf"), eviction_policy=KEEP_EVICT)
+        elif keep:
+            t_nx = tl.load(t_base + lo + rows2, mask=lo + rows2 < V, other=float("-inf"), eviction_policy=KEEP_EVICT)
+            d_nx = tl.load(d_base + lo + rows2, mask=lo + rows2 < V, other=float("-inf"), eviction_policy=KEEP_EVICT)
+        else:
+            t_nx = tl.load(t_base + lo + rows2, mask=lo + rows2 < V, other=float("-inf"), eviction_policy=REST_EVICT)
+            d_nx = tl.load(d_base + lo + rows2, mask=lo + rows2 < V, other=float("-inf"), eviction_policy=REST_EVICT)
     if STAGED:  # (after the first tile's loads are issued: their latency overlaps the check's)
         if lo < hi:
             stopped = _rejected_before(target_ptr, draft_ptr, draft_tokens_ptr, seeds_ptr, offsets_ptr, stats_ptr,
                                        argmax_ptr, b, n_b, g, scale, V, K, S, pos_lo, JP2, SP2)
             hi = tl.where(stopped, lo, hi)
             v_d = tl.where(stopped, 0, v_d)
-    for start in range(lo, hi, BLOCK):
-        offs = start + rows2
-        if PREFETCH:
-            t = t_nx.to(tl.float32) * scale
-            d = d_nx.to(tl.float32) * scale
-            lim = tl.where(start + BLOCK < hi, V, 0)
-            t_nx = tl.load(t_base + offs + BLOCK, mask=offs + BLOCK < lim, other=float("-inf"))
-            d_nx = tl.load(d_base + offs + BLOCK, mask=offs + BLOCK < tl.minimum(lim, v_d), other=float("-inf"))
-        else:
-            t = tl.load(t_base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * scale
-            d = tl.load(d_base + offs, mask=offs < v_d, other=float("-inf")).to(tl.float32) * scale
-        new_t = tl.maximum(m_t, tl.max(t, axis=1))
-        safe_t = tl.where(new_t == float("-inf"), 0.0, new_t)
-        s_t = s_t * _exp(m_t - safe_t, FTZ) + tl.sum(_exp(t - safe_t[:, None], FTZ), axis=1)
-        m_t = new_t
-        new_d = tl.maximum(m_d, tl.max(d, axis=1))
-        safe_d = tl.where(new_d == float("-inf"), 0.0, new_d)
-        s_d = s_d * _exp(m_d - safe_d, FTZ) + tl.sum(_exp(d - safe_d[:, None], FTZ), axis=1)
-        m_d = new_d
-        if g != 0:
-            tile_max = tl.max(tl.max(t, axis=1), axis=0)
-            tile_idx = tl.min(tl.min(tl.where(t == tile_max, offs, V), axis=1), axis=0)
-            upd = tile_max > am_v
-            am_v = tl.where(upd, tile_max, am_v)
-            am_i = tl.where(upd, tile_idx, am_i)
+    if KEEP_EVICT == REST_EVICT:
+        m_t, s_t, m_d, s_d, am_i = _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2,
+                                               BLOCK, PREFETCH, FTZ, KEEP_EVICT)
+    elif keep:
+        m_t, s_t, m_d, s_d, am_i = _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2,
+                                               BLOCK, PREFETCH, FTZ, KEEP_EVICT)
+    else:
+        m_t, s_t, m_d, s_d, am_i = _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2,
+                                               BLOCK, PREFETCH, FTZ, REST_EVICT)
     mt_all = tl.max(m_t, axis=0)
     safe = tl.where(mt_all == float("-inf"), 0.0, mt_all)
     st_all = tl.sum(s_t * tl.exp(m_t - safe), axis=0)
@@ -404,7 +444,8 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
                  COMPUTE_SCORES: tl.constexpr, KP2: tl.constexpr, JP2: tl.constexpr, SP2: tl.constexpr,
                  TILES: tl.constexpr, RACE_TILE: tl.constexpr, TILE_BASE: tl.constexpr, SINGLE: tl.constexpr,
                  FUSE: tl.constexpr,
-                 SP2B: tl.constexpr, MASS_EPS: tl.constexpr, PDL_WAIT: tl.constexpr, FTZ: tl.constexpr):
+                 SP2B: tl.constexpr, MASS_EPS: tl.constexpr, PDL_WAIT: tl.constexpr, FTZ: tl.constexpr,
+                 RACE_EVICT: tl.constexpr = ""):
     """Accept tests (vectorised over positions), stop position, race over one chunk of the stop row.
 
     race: [B, S2, 6] fp32 (best residual tile score, its tile, best p tile score, its tile, partial residual
@@ -479,8 +520,10 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
         tile = lo // RACE_TILE + tiles
         offs = tile[:, None] * RACE_TILE + cols[None, :]
         lim = tl.where(lo < hi, V, 0)  # (a scalar-bool & vector-bool mask trips Triton's interpreter)
-        t = tl.load(t_base + offs, mask=offs < lim, other=float("-inf")).to(tl.float32) * scale
-        d = tl.load(d_base + offs, mask=offs < tl.minimum(lim, v_d), other=float("-inf")).to(tl.float32) * scale
+        t = tl.load(t_base + offs, mask=offs < lim, other=float("-inf"),
+                    eviction_policy=RACE_EVICT).to(tl.float32) * scale
+        d = tl.load(d_base + offs, mask=offs < tl.minimum(lim, v_d), other=float("-inf"),
+                    eviction_policy=RACE_EVICT).to(tl.float32) * scale
         best_r, tile_r, best_p, tile_p, mass = _tile_race_update(
             t, d, lt_stop, delta_stop, tile, rk_a, rk_b, best_r, tile_r, best_p, tile_p, mass, TILE_BASE, FTZ)
         best_r, win_r = _lanes_winner(best_r, tile_r, NT)
@@ -490,8 +533,9 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
     else:  # loop over blocks with the next block's loads issued before this block's arithmetic
         lim = tl.where(lo < hi, V, 0)
         offs = (lo // RACE_TILE + tiles)[:, None] * RACE_TILE + cols[None, :]
-        t_nx = tl.load(t_base + offs, mask=offs < lim, other=float("-inf"))
-        d_nx = tl.load(d_base + offs, mask=offs < tl.minimum(lim, v_d), other=float("-inf"))
+        t_nx = tl.load(t_base + offs, mask=offs < lim, other=float("-inf"), eviction_policy=RACE_EVICT)
+        d_nx = tl.load(d_base + offs, mask=offs < tl.minimum(lim, v_d), other=float("-inf"),
+                       eviction_policy=RACE_EVICT)
         for start in range(lo, hi, TILES * RACE_TILE):
             tile = start // RACE_TILE + tiles
             offs = tile[:, None] * RACE_TILE + cols[None, :]
@@ -499,8 +543,9 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
             d = d_nx.to(tl.float32) * scale
             lim = tl.where(start + TILES * RACE_TILE < hi, V, 0)
             nx = offs + TILES * RACE_TILE
-            t_nx = tl.load(t_base + nx, mask=nx < lim, other=float("-inf"))
-            d_nx = tl.load(d_base + nx, mask=nx < tl.minimum(lim, v_d), other=float("-inf"))
+            t_nx = tl.load(t_base + nx, mask=nx < lim, other=float("-inf"), eviction_policy=RACE_EVICT)
+            d_nx = tl.load(d_base + nx, mask=nx < tl.minimum(lim, v_d), other=float("-inf"),
+                           eviction_policy=RACE_EVICT)
             best_r, tile_r, best_p, tile_p, mass = _tile_race_update(
                 t, d, lt_stop, delta_stop, tile, rk_a, rk_b, best_r, tile_r, best_p, tile_p, mass, TILE_BASE, FTZ)
         best_r, win_r = _lanes_winner(best_r, tile_r, NT)
@@ -750,7 +795,7 @@ SEQ_MIN_BATCH = 1 << 62
 #                   (race_tiles, race_warps) None: (2, 2) for B <= 2 (more, smaller programs: latency), else (4, 4);
 #                   fp32 logits with B >= FP32_ONE_WARP_RACE_BATCH: (1, 1), see below
 #   race_programs   race grid target, in programs per SM (splits2 = cdiv(race_programs * SMs, B), capped by tiles);
-#                   None: 4, or 16 with the fp32 one-warp race
+#                   None: 4, or 16 with the fp32 one-warp race, or 1 for 16-bit logits in BF16_FEW_RACE_BATCH
 #   stats_programs  stats grid target, in programs per SM; None: 4, or 2 for fp32 logits with V <= FP32_SMALL_VOCAB,
 #                   K >= 5 and B <= 8 (see _stats_programs)
 #   stats_block/warps  stats tile and warps (None: 4096 / 8 warps when the grid has >= 4 tiles per SM, else 1024 / 4)
@@ -776,9 +821,11 @@ SEQ_MIN_BATCH = 1 << 62
 #                   107.1, (32, 1, 32000) 15.7 -> 14.7. One loss: bf16 (8, 8, 32000) 13.3 -> 15.6 us, only with
 #                   programmatic dependent launch and only at that shape (its neighbours gain 3-5%;
 #                   results/rejection_sweep_H100_80GB_HBM3_s9_{d,e}_bf16.csv)
+#   l2_keep         statistics rows of the first n positions loaded ``evict_last``, every other logits load
+#                   ``evict_first`` (0: no eviction hints); None: see _l2_keep
 TUNE_DEFAULT = dict(fuse=True, race_tiles=None, race_warps=None, race_programs=None, stats_programs=None,
                     stats_block=None, stats_warps=None, stats_prefetch=None, tight_sp2=True, pdl=None, stats_only=False,
-                    stages=None, skip_bonus=None, ftz=None)
+                    stages=None, skip_bonus=None, ftz=None, l2_keep=None)
 # automatic choices (None above), each measured on an H200 unless said otherwise (benchmarks/NOTES_rejection.md):
 #   stats_prefetch None: on for B >= 16 with the 4096 tile (B (K+1) tiles >= 4 per SM), with 16 warps when the stats
 #                   grid has one program per (row, position) (B (K+1) >= stats_programs * SMs; (128, 8): stats
@@ -801,6 +848,13 @@ FP32_SMALL_VOCAB = 65536
 #                   better on both cards (H200, results/rejection_sweep_H200_s6_fp32_small.csv: (32, 1) 16.5 ->
 #                   15.8 us, (32, 4) 22.0 -> 21.2, (32, 8) 30.4 -> 29.1; B = 64 not measured)
 FP32_ONE_WARP_RACE_BATCH = 32
+#   race_programs None, 16-bit logits with V <= FP32_SMALL_VOCAB and B in BF16_FEW_RACE_BATCH: 1 program per SM
+#                   (half the race programs per row at B = 8-16, V = 32000: each combines (K + 1) x S statistics
+#                   partials and the last one reads the row's S2 race partials). H200 same process
+#                   (results/rejection_sweep_H200_s10_{d,e}_bf16.csv): (8, 8, 32000) 13.9 -> 11.7 us, (8, 1) 8.8 ->
+#                   7.7, (16, 4) 14.2 -> 13.5, (8, 8, 65536) 20.6 -> 16.9; (32, 8, 32000) +12% and (8, 4, 151936)
+#                   +21% (outside the rule). fp32 gained less and lost at (16, 1, 32000) (+7%): not in the rule.
+BF16_FEW_RACE_BATCH = (8, 16)
 
 
 def _stage_plan(num_positions: int, batch: int, compute_scores: bool, stages, vocab: int = 0,
@@ -877,6 +931,26 @@ def _stats_programs(setting: int | None, element_size: int, vocab: int, num_draf
     return int(setting)
 
 
+def _l2_keep(setting: int | None, element_size: int, vocab: int, num_drafts: int, batch: int) -> int:
+    """Positions whose statistics loads are marked ``evict_last`` in L2 (``tune['l2_keep']``, None = automatic; 0 = no
+    eviction hints). With n > 0 the statistics rows of positions >= n and every race load are ``evict_first``, so the
+    rows of positions < n (the likeliest stop rows, which the race kernel reads again after a rejection) stay in L2.
+
+    Automatic: 1 for fp32 logits with V <= FP32_SMALL_VOCAB, K >= 4, B >= 32 and the kept rows (target and draft at
+    position 0) <= 32 MiB, else 0. H100 same process (results/rejection_sweep_H100_80GB_HBM3_s10_c_fp32.csv):
+    (32, 4, 32000) 22.4 -> 21.4 us, (64, 4, 32000) 36.4 -> 34.7, (32, 8, 32000) 33.6 -> 32.6, (128, 4, 32000) 59.0
+    -> 57.8, (32, 4, 65536) 37.1 -> 35.9; (128, 8, 32000) equal; outside the rule it lost: (128, 8, 65536) +3% (67 MB
+    kept), B = 1 +2%, K = 1 +1-3% (..._s10_{a,b}_fp32.csv), and bf16 moved both ways ((128, 4, 32000) -9%,
+    (32, 4, 32000) +9%; ..._s10_c_bf16.csv)."""
+    if setting is None:
+        kept_bytes = 2 * batch * vocab * element_size
+        return int(element_size == 4 and vocab <= FP32_SMALL_VOCAB and num_drafts >= 4 and batch >= 32
+                   and kept_bytes <= 32 << 20)
+    if isinstance(setting, bool) or int(setting) < 0:
+        raise ValueError(f"tune['l2_keep'] must be None or an int >= 0 (positions), got {setting!r}")
+    return int(setting)
+
+
 def _race_plan(element_size: int, batch: int, cfg: dict, num_warps: int | None, interpret: bool,
                vocab: int = 1 << 20) -> tuple[int, int, int]:
     """``(race_tiles, race_warps, race_programs)`` of the race kernel from the tune settings (None = automatic)."""
@@ -890,6 +964,9 @@ def _race_plan(element_size: int, batch: int, cfg: dict, num_warps: int | None, 
     race_programs = cfg["race_programs"]
     if race_programs is None:
         race_programs = (8 if two_tiles else 16) if one_warp else 4
+        low, high = BF16_FEW_RACE_BATCH
+        if element_size <= 2 and low <= batch <= high and vocab <= FP32_SMALL_VOCAB:
+            race_programs = 1
     if int(race_programs) < 1:
         raise ValueError(f"tune['race_programs'] must be None or >= 1 (programs per SM), got {race_programs}")
     race_warps = 1 if one_warp else (num_warps or cfg["race_warps"] or race_tiles)  # bf16: one warp per tile
@@ -1024,6 +1101,7 @@ def rejection_sample_triton(
     else:
         pdl = int(cfg["pdl"])
     ftz = (cfg["ftz"] is None or bool(cfg["ftz"])) and not _INTERPRET  # (inline PTX: GPU only)
+    l2_keep = _l2_keep(cfg["l2_keep"], target.element_size(), vocab, num_drafts, batch)
     stats = torch.empty((pairs, splits, 4), dtype=torch.float32, device=device)
     argmax = torch.empty((pairs, splits), dtype=torch.int32, device=device)
     race = torch.empty((batch, splits2, 6), dtype=torch.float32, device=device)
@@ -1043,7 +1121,9 @@ def rejection_sample_triton(
             target, draft, tokens_in, counts_arg, mask_arg, stats, argmax, counter, seeds, offsets, inv_t, vocab,
             num_drafts, chunk, splits, pos_lo, pos_count, COMPUTE_SCORES=compute_scores, KP2=kp2, BLOCK=block,
             ZERO_COUNTERS=fuse and index == 0, PDL_TRIGGER=pdl >= 2 and last, PREFETCH=bool(prefetch),
-            STAGED=index > 0, JP2=jp2, SP2=_sp2(splits, cfg["tight_sp2"]), FTZ=ftz, num_warps=warps, **flags,
+            STAGED=index > 0, JP2=jp2, SP2=_sp2(splits, cfg["tight_sp2"]), FTZ=ftz, num_warps=warps,
+            keep_positions=l2_keep, KEEP_EVICT="evict_last" if l2_keep else "",
+            REST_EVICT="evict_first" if l2_keep else "", **flags,
         )
     if cfg["stats_only"]:
         return tokens, num_accepted, None, None
@@ -1055,7 +1135,8 @@ def rejection_sample_triton(
         COMPUTE_SCORES=compute_scores, KP2=kp2, JP2=jp2, SP2=_sp2(splits, cfg["tight_sp2"]), TILES=race_tiles,
         RACE_TILE=RACE_TILE, TILE_BASE=TILE_INDEX_BASE, SINGLE=chunk2 == race_tiles * RACE_TILE, FUSE=fuse,
         SP2B=_sp2(splits2, cfg["tight_sp2"]), MASS_EPS=RESIDUAL_MASS_EPS,
-        PDL_WAIT=pdl >= 1, FTZ=ftz, num_warps=race_warps, **launch, **flags,
+        PDL_WAIT=pdl >= 1, FTZ=ftz, RACE_EVICT="evict_first" if l2_keep else "", num_warps=race_warps,
+        **launch, **flags,
     )
     if not fuse:
         _finalize_kernel[(batch,)](

@@ -92,6 +92,7 @@ LAUNCH_PLANS = {
     "race_tiles_2": dict(race_tiles=2),
     "prefetch": dict(stats_prefetch=True),  # its first tile is loaded before the row's draft ids are known
     "one_warp_race": dict(race_tiles=1, race_warps=1, race_programs=16),  # the fp32 plan for B >= 32 on the GPU
+    "l2_keep": dict(l2_keep=2),  # both eviction branches of the statistics kernel
 }
 
 
@@ -197,6 +198,36 @@ def test_race_plan_rule_picks_the_one_warp_race_for_fp32_batches_of_32_or_more()
     assert _race_plan(2, big, cfg, None, interpret=False, vocab=32000) == (4, 4, 4)
     with pytest.raises(ValueError, match="race_programs"):
         _race_plan(4, big, dict(cfg, race_programs=0), None, interpret=False)
+
+
+def test_race_plan_rule_gives_16_bit_logits_one_race_program_per_sm_at_batches_8_to_16_with_small_vocabularies():
+    from specdec.kernels.rejection_sampling import BF16_FEW_RACE_BATCH, TUNE_DEFAULT, _race_plan
+
+    cfg = dict(TUNE_DEFAULT)
+    low, high = BF16_FEW_RACE_BATCH
+    for batch in (low, high):
+        assert _race_plan(2, batch, cfg, None, interpret=False, vocab=32000) == (4, 4, 1)
+        assert _race_plan(2, batch, cfg, None, interpret=False, vocab=65536) == (4, 4, 1)
+        assert _race_plan(2, batch, cfg, None, interpret=False, vocab=151936)[2] == 4  # large vocabulary
+        assert _race_plan(4, batch, cfg, None, interpret=False, vocab=32000)[2] == 4  # fp32
+    assert _race_plan(2, low - 1, cfg, None, interpret=False, vocab=32000)[2] == 4
+    assert _race_plan(2, high + 1, cfg, None, interpret=False, vocab=32000)[2] == 4
+    assert _race_plan(2, low, dict(cfg, race_programs=4), None, interpret=False, vocab=32000)[2] == 4  # explicit
+
+
+def test_l2_keep_rule_keeps_position_0_for_fp32_batches_of_32_or_more_with_small_vocabularies():
+    from specdec.kernels.rejection_sampling import _l2_keep
+
+    assert _l2_keep(None, 4, 32000, 4, 32) == 1
+    assert _l2_keep(None, 4, 32000, 8, 128) == 1  # kept rows 2 * 128 * 32000 * 4 bytes <= 32 MiB
+    assert _l2_keep(None, 4, 65536, 8, 128) == 0  # 67 MB kept: more than the rule allows
+    assert _l2_keep(None, 4, 32000, 1, 128) == 0  # K < 4
+    assert _l2_keep(None, 4, 32000, 4, 16) == 0  # B < 32
+    assert _l2_keep(None, 2, 32000, 4, 128) == 0  # bf16
+    assert _l2_keep(None, 4, 128256, 4, 32) == 0  # large vocabulary
+    assert _l2_keep(3, 2, 151936, 1, 1) == 3  # explicit settings win
+    with pytest.raises(ValueError, match="l2_keep"):
+        _l2_keep(-1, 4, 32000, 4, 32)
 
 
 def test_unknown_tune_key_is_an_error():
@@ -476,7 +507,7 @@ GPU_LAUNCH_PLANS = dict(default={}, no_fuse=LAUNCH_PLANS["no_fuse"],
                         race_tiles4=dict(race_tiles=4, race_warps=4), race_programs8=dict(race_programs=8),
                         no_stats_prefetch=dict(stats_prefetch=False),
                         one_warp_race=LAUNCH_PLANS["one_warp_race"], pdl1=dict(pdl=1), pdl2=dict(pdl=2),
-                        no_ftz=dict(ftz=False))
+                        no_ftz=dict(ftz=False), l2_keep=dict(l2_keep=2))
 
 
 @gpu_only
@@ -489,6 +520,21 @@ def test_launch_plans_gpu(plan, batch, num_drafts, vocab):
     greedy_mask = torch.arange(batch, device=DEVICE) % 3 == 1
     assert_matches_reference(*case, 0.7, strategies=("split",), tune=tune, greedy_mask=greedy_mask,
                              compute_scores=True)
+
+
+@gpu_only
+@pytest.mark.parametrize("batch,num_drafts,vocab,dtype",
+                         [(8, 8, 32000, torch.bfloat16), (16, 4, 65536, torch.bfloat16),
+                          (32, 4, 32000, torch.float32), (128, 8, 32000, torch.float32)],
+                         ids=["bf16-few-race-8", "bf16-few-race-16", "fp32-l2-32", "fp32-l2-128"])
+def test_few_race_programs_and_l2_keep_plans_gpu(batch, num_drafts, vocab, dtype):
+    # the automatic plans of BF16_FEW_RACE_BATCH (one race program per SM) and of _l2_keep (eviction hints), with
+    # greedy rows, scores and ragged drafts
+    case = make_case(batch, num_drafts, vocab, dtype, seed=batch * 11 + num_drafts)
+    assert_matches_reference(*case, 1.0, strategies=("split",))
+    case[2][1, 2:] = -1
+    greedy_mask = torch.arange(batch, device=DEVICE) % 3 == 1
+    assert_matches_reference(*case, 0.7, strategies=("split",), greedy_mask=greedy_mask, compute_scores=True)
 
 
 @gpu_only
