@@ -115,7 +115,9 @@ def diagnose(s0, out, ref, num_drafts):
 # finalize time is the difference).
 SWEEP = {
     "default": {},
-    # session 10: L2 eviction priorities (tune['l2_keep'])
+    # session 10: L2 eviction priorities (tune['l2_keep']). The first sweeps (results/*_s10_{a,b}_*.csv) timed them
+    # with three finer settings that no longer exist (keep_positions, stats_evict, race_evict; each row's tune column
+    # has them): l2_keep=n is keep_positions=n, stats_evict=("evict_last", "evict_first"), race_evict="evict_first"
     "l2_off": dict(l2_keep=0),
     "l2_keep1": dict(l2_keep=1),
     "l2_keep2": dict(l2_keep=2),

@@ -55,6 +55,9 @@ Two launch strategies compute the same function:
   best ones, takes the level-2 id of the program holding it and writes the outputs (in the rare fallback, rejected
   with residual mass <= RESIDUAL_MASS_EPS, it runs level 2 of the p race itself).
   Splitting the vocabulary keeps every SM busy at B = 1.
+  L2 eviction hints (``tune['l2_keep']``, automatic for fp32 with B >= 32, K >= 4 and a small vocabulary): the
+  statistics rows of position 0 load ``evict_last``, every other logits load ``evict_first``, so the row a rejected
+  request races on most often is still in L2 when the race kernel reads it again.
   On the GPU the per-element exponentials of both kernels are one ``ex2.approx.ftz`` each (``tune={"ftz": False}``
   restores ``tl.exp``): values below 2**-126 flush to 0, which moves no sum or race score by more than ~1e-38
   relative; the interpreter always uses ``tl.exp``.
