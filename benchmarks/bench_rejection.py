@@ -39,6 +39,7 @@ from common import environment, measure_copy_bandwidth, time_do_bench, time_grap
 
 from specdec.kernels.rejection_sampling import (  # noqa: E402
     TUNE_DEFAULT,
+    _l2_keep,
     _race_plan,
     _stage_plan,
     rejection_sample_triton,
@@ -239,7 +240,9 @@ def run_sweep(shapes, dtype_name, out_path, l2_bytes, copy_gbps, env, max_second
                            p20_us=f"{p20:.2f}", p80_us=f"{p80:.2f}", gbps_read=f"{read / med / 1e3:.1f}",
                            frac_copy=f"{read / med / 1e3 / copy_gbps:.3f}", match_ref=match,
                            tune=str(dict(TUNE_DEFAULT, **tune, race_plan_resolved=_race_plan(
-                               esize, batch, dict(TUNE_DEFAULT, **tune), None, False, vocab))), note=note, **env)
+                               esize, batch, dict(TUNE_DEFAULT, **tune), None, False, vocab),
+                               l2_keep_resolved=_l2_keep(dict(TUNE_DEFAULT, **tune)["l2_keep"], esize, vocab,
+                                                         num_drafts, batch))), note=note, **env)
                 writer.writerow(row)
                 handle.flush()
                 print(f"sweep {name:18s} {dtype_name} B={batch:3d} K={num_drafts} V={vocab:6d} {med:8.1f} us "

@@ -55,9 +55,11 @@ Two launch strategies compute the same function:
   best ones, takes the level-2 id of the program holding it and writes the outputs (in the rare fallback, rejected
   with residual mass <= RESIDUAL_MASS_EPS, it runs level 2 of the p race itself).
   Splitting the vocabulary keeps every SM busy at B = 1.
-  L2 eviction hints (``tune['l2_keep']``, automatic for fp32 with B >= 32, K >= 4 and a small vocabulary): the
-  statistics rows of position 0 load ``evict_last``, every other logits load ``evict_first``, so the row a rejected
-  request races on most often is still in L2 when the race kernel reads it again.
+  L2 eviction hints (``tune['l2_keep']``, automatic for fp32 with B >= 32, K >= 4, V <= 65536 and at most 32 MiB
+  of position-0 rows): the statistics kernel loads the rows of position 0 ``evict_last`` and those of the other
+  positions ``evict_first``, and the race kernel's level-1 loads are ``evict_first``, so the row a rejected request
+  races on most often is still in L2 when the race kernel reads it again. ``evict_last`` lines outlive the call:
+  whatever runs next on the GPU starts with them in L2 (measured only against the next call of this kernel).
   On the GPU the per-element exponentials of both kernels are one ``ex2.approx.ftz`` each (``tune={"ftz": False}``
   restores ``tl.exp``): values below 2**-126 flush to 0, which moves no sum or race score by more than ~1e-38
   relative; the interpreter always uses ``tl.exp``.
@@ -788,8 +790,9 @@ _MAX_SPLITS = 256
 # picks it; it stays available (strategy="seq") for GPUs/shapes where it might pay.
 SEQ_MIN_BATCH = 1 << 62
 
-# Launch plan of the "split" strategy (GPU; the interpreter uses small tiles, see the launcher). Results never
-# depend on these: they only move work between programs.
+# Launch plan of the "split" strategy (GPU; the interpreter uses small tiles, see the launcher). They only move work
+# between programs, so results depend on them only through the fp32 summation order of the normalisers, the residual
+# mass and alpha (sums of per-program partials; see the module docstring on rounding).
 #   fuse            finalize in the race kernel's last program per row (arrival counter): 2 launches instead of 3
 #   race_tiles      race tiles of RACE_TILE ids per loop iteration (the race chunk is a multiple of it); with as
 #                   many warps, each warp owns one tile of a [race_tiles, RACE_TILE] block (bf16: 8 ids a thread)
@@ -824,8 +827,8 @@ SEQ_MIN_BATCH = 1 << 62
 #                   107.1, (32, 1, 32000) 15.7 -> 14.7. One loss: bf16 (8, 8, 32000) 13.3 -> 15.6 us, only with
 #                   programmatic dependent launch and only at that shape (its neighbours gain 3-5%;
 #                   results/rejection_sweep_H100_80GB_HBM3_s9_{d,e}_bf16.csv)
-#   l2_keep         statistics rows of the first n positions loaded ``evict_last``, every other logits load
-#                   ``evict_first`` (0: no eviction hints); None: see _l2_keep
+#   l2_keep         statistics rows of the first n positions loaded ``evict_last``, the other statistics rows and
+#                   the race kernel's level-1 loads ``evict_first`` (0: no eviction hints); None: see _l2_keep
 TUNE_DEFAULT = dict(fuse=True, race_tiles=None, race_warps=None, race_programs=None, stats_programs=None,
                     stats_block=None, stats_warps=None, stats_prefetch=None, tight_sp2=True, pdl=None, stats_only=False,
                     stages=None, skip_bonus=None, ftz=None, l2_keep=None)
@@ -851,9 +854,10 @@ FP32_SMALL_VOCAB = 65536
 #                   better on both cards (H200, results/rejection_sweep_H200_s6_fp32_small.csv: (32, 1) 16.5 ->
 #                   15.8 us, (32, 4) 22.0 -> 21.2, (32, 8) 30.4 -> 29.1; B = 64 not measured)
 FP32_ONE_WARP_RACE_BATCH = 32
-#   race_programs None, 16-bit logits with V <= FP32_SMALL_VOCAB and B in BF16_FEW_RACE_BATCH: 1 program per SM
-#                   (half the race programs per row at B = 8-16, V = 32000: each combines (K + 1) x S statistics
-#                   partials and the last one reads the row's S2 race partials). H200 same process
+#   race_programs None, 16-bit logits with V <= FP32_SMALL_VOCAB (the same bound, whatever the dtype) and B in
+#                   BF16_FEW_RACE_BATCH: 1 program per SM (fewer race programs per row: at V = 32000 with 132 SMs,
+#                   32 -> 16 at B = 8, 32 -> 8 at B = 16; each combines (K + 1) x S statistics partials and the last
+#                   one reads the row's S2 race partials). H200 same process
 #                   (results/rejection_sweep_H200_s10_{d,e}_bf16.csv): (8, 8, 32000) 13.9 -> 11.7 us, (8, 1) 8.8 ->
 #                   7.7, (16, 4) 14.2 -> 13.5, (8, 8, 65536) 20.6 -> 16.9; (32, 8, 32000) +12% and (8, 4, 151936)
 #                   +21% (outside the rule). fp32 gained less and lost at (16, 1, 32000) (+7%): not in the rule.
@@ -936,15 +940,16 @@ def _stats_programs(setting: int | None, element_size: int, vocab: int, num_draf
 
 def _l2_keep(setting: int | None, element_size: int, vocab: int, num_drafts: int, batch: int) -> int:
     """Positions whose statistics loads are marked ``evict_last`` in L2 (``tune['l2_keep']``, None = automatic; 0 = no
-    eviction hints). With n > 0 the statistics rows of positions >= n and every race load are ``evict_first``, so the
-    rows of positions < n (the likeliest stop rows, which the race kernel reads again after a rejection) stay in L2.
+    eviction hints). With n > 0 the statistics rows of positions >= n and the race kernel's level-1 loads are
+    ``evict_first``, so the rows of positions < n (the likeliest stop rows, which the race kernel reads again after a
+    rejection) stay in L2.
 
     Automatic: 1 for fp32 logits with V <= FP32_SMALL_VOCAB, K >= 4, B >= 32 and the kept rows (target and draft at
     position 0) <= 32 MiB, else 0. H100 same process (results/rejection_sweep_H100_80GB_HBM3_s10_c_fp32.csv):
     (32, 4, 32000) 22.4 -> 21.4 us, (64, 4, 32000) 36.4 -> 34.7, (32, 8, 32000) 33.6 -> 32.6, (128, 4, 32000) 59.0
     -> 57.8, (32, 4, 65536) 37.1 -> 35.9; (128, 8, 32000) equal; outside the rule it lost: (128, 8, 65536) +3% (67 MB
-    kept), B = 1 +2%, K = 1 +1-3% (..._s10_{a,b}_fp32.csv), and bf16 moved both ways ((128, 4, 32000) -9%,
-    (32, 4, 32000) +9%; ..._s10_c_bf16.csv)."""
+    kept) and B = 1 +1-2% (same file), K = 1 +3-6% (..._s10_{a,b}_fp32.csv), and bf16 moved both ways
+    ((128, 4, 32000) -9%, (32, 4, 32000) +9%; ..._s10_c_bf16.csv)."""
     if setting is None:
         kept_bytes = 2 * batch * vocab * element_size
         return int(element_size == 4 and vocab <= FP32_SMALL_VOCAB and num_drafts >= 4 and batch >= 32

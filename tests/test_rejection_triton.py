@@ -92,7 +92,8 @@ LAUNCH_PLANS = {
     "race_tiles_2": dict(race_tiles=2),
     "prefetch": dict(stats_prefetch=True),  # its first tile is loaded before the row's draft ids are known
     "one_warp_race": dict(race_tiles=1, race_warps=1, race_programs=16),  # the fp32 plan for B >= 32 on the GPU
-    "l2_keep": dict(l2_keep=2),  # both eviction branches of the statistics kernel
+    "l2_keep": dict(l2_keep=2, stats_prefetch=True),  # both eviction branches of the prefetched statistics loop
+    "l2_keep_no_prefetch": dict(l2_keep=2, stats_prefetch=False),
 }
 
 
@@ -212,6 +213,7 @@ def test_race_plan_rule_gives_16_bit_logits_one_race_program_per_sm_at_batches_8
         assert _race_plan(4, batch, cfg, None, interpret=False, vocab=32000)[2] == 4  # fp32
     assert _race_plan(2, low - 1, cfg, None, interpret=False, vocab=32000)[2] == 4
     assert _race_plan(2, high + 1, cfg, None, interpret=False, vocab=32000)[2] == 4
+    assert _race_plan(2, low, cfg, None, interpret=False, vocab=65537)[2] == 4
     assert _race_plan(2, low, dict(cfg, race_programs=4), None, interpret=False, vocab=32000)[2] == 4  # explicit
 
 
@@ -221,6 +223,8 @@ def test_l2_keep_rule_keeps_position_0_for_fp32_batches_of_32_or_more_with_small
     assert _l2_keep(None, 4, 32000, 4, 32) == 1
     assert _l2_keep(None, 4, 32000, 8, 128) == 1  # kept rows 2 * 128 * 32000 * 4 bytes <= 32 MiB
     assert _l2_keep(None, 4, 65536, 8, 128) == 0  # 67 MB kept: more than the rule allows
+    assert _l2_keep(None, 4, 65536, 4, 64) == 1  # exactly 32 MiB kept
+    assert _l2_keep(None, 4, 65537, 4, 32) == 0
     assert _l2_keep(None, 4, 32000, 1, 128) == 0  # K < 4
     assert _l2_keep(None, 4, 32000, 4, 16) == 0  # B < 32
     assert _l2_keep(None, 2, 32000, 4, 128) == 0  # bf16
@@ -530,6 +534,13 @@ def test_launch_plans_gpu(plan, batch, num_drafts, vocab):
 def test_few_race_programs_and_l2_keep_plans_gpu(batch, num_drafts, vocab, dtype):
     # the automatic plans of BF16_FEW_RACE_BATCH (one race program per SM) and of _l2_keep (eviction hints), with
     # greedy rows, scores and ragged drafts
+    from specdec.kernels.rejection_sampling import TUNE_DEFAULT, _l2_keep, _race_plan
+
+    esize = torch.tensor([], dtype=dtype).element_size()
+    if dtype == torch.bfloat16:  # these shapes do take the plan under test
+        assert _race_plan(esize, batch, dict(TUNE_DEFAULT), None, interpret=False, vocab=vocab)[2] == 1
+    else:
+        assert _l2_keep(None, esize, vocab, num_drafts, batch) == 1
     case = make_case(batch, num_drafts, vocab, dtype, seed=batch * 11 + num_drafts)
     assert_matches_reference(*case, 1.0, strategies=("split",))
     case[2][1, 2:] = -1
