@@ -232,17 +232,17 @@ def run_sweep(shapes, dtype_name, out_path, l2_bytes, copy_gbps, env, max_second
                     torch.cuda.synchronize()
                     med = p20 = p80 = float("nan")
                     note = f"{type(exc).__name__}: {str(exc)[:200]}"
-                plan = _stage_plan(num_drafts + 1, batch, False, dict(TUNE_DEFAULT, **tune)["stages"], vocab, esize)
+                cfg = dict(TUNE_DEFAULT, **tune)
+                plan = _stage_plan(num_drafts + 1, batch, False, cfg["stages"], vocab, esize)
                 read = bytes_read("split", ref[1], num_drafts, vocab, esize, plan)
                 if tune.get("stats_only"):
                     read = batch * (2 * num_drafts + 1) * vocab * esize
                 row = dict(config=name, B=batch, K=num_drafts, V=vocab, dtype=dtype_name, median_us=f"{med:.2f}",
                            p20_us=f"{p20:.2f}", p80_us=f"{p80:.2f}", gbps_read=f"{read / med / 1e3:.1f}",
                            frac_copy=f"{read / med / 1e3 / copy_gbps:.3f}", match_ref=match,
-                           tune=str(dict(TUNE_DEFAULT, **tune, race_plan_resolved=_race_plan(
-                               esize, batch, dict(TUNE_DEFAULT, **tune), None, False, vocab),
-                               l2_keep_resolved=_l2_keep(dict(TUNE_DEFAULT, **tune)["l2_keep"], esize, vocab,
-                                                         num_drafts, batch))), note=note, **env)
+                           tune=str(dict(cfg, race_plan_resolved=_race_plan(esize, batch, cfg, None, False, vocab),
+                                         l2_keep_resolved=_l2_keep(cfg["l2_keep"], esize, vocab, num_drafts,
+                                                                   batch))), note=note, **env)
                 writer.writerow(row)
                 handle.flush()
                 print(f"sweep {name:18s} {dtype_name} B={batch:3d} K={num_drafts} V={vocab:6d} {med:8.1f} us "

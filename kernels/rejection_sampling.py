@@ -375,9 +375,7 @@ def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greed
     lo = split * chunk
     hi = tl.where(need_t, tl.minimum(lo + chunk, V), lo)
     v_d = tl.where(need_d, V, 0)  # (a scalar-bool & vector-bool mask trips Triton's interpreter)
-    # Lane-wise online log-sum-exp on [BLOCK // 8, 8] tiles: the axis-1 reductions stay inside a thread (or a
-    # warp), so a tile needs no block-wide barrier; one exp per element plus one per 8 elements for the rescale.
-    R: tl.constexpr = BLOCK // 8
+    R: tl.constexpr = BLOCK // 8  # [R, 8] tiles, see _stats_loop
     rows2 = tl.arange(0, R)[:, None] * 8 + tl.arange(0, 8)[None, :]
     # L2 priority of the rows a race may read again (keep) and of the others; uniform over the program, so the
     # branch is taken once, outside the loop (a per-load branch cost 3-7% on the H100)
@@ -952,7 +950,7 @@ def _l2_keep(setting: int | None, element_size: int, vocab: int, num_drafts: int
     ((128, 4, 32000) -9%, (32, 4, 32000) +9%; ..._s10_c_bf16.csv)."""
     if setting is None:
         kept_bytes = 2 * batch * vocab * element_size
-        return int(element_size == 4 and vocab <= FP32_SMALL_VOCAB and num_drafts >= 4 and batch >= 32
+        return int(_fp32_small_vocab(element_size, vocab) and num_drafts >= 4 and batch >= 32
                    and kept_bytes <= 32 << 20)
     if isinstance(setting, bool) or int(setting) < 0:
         raise ValueError(f"tune['l2_keep'] must be None or an int >= 0 (positions), got {setting!r}")
@@ -1110,6 +1108,7 @@ def rejection_sample_triton(
         pdl = int(cfg["pdl"])
     ftz = (cfg["ftz"] is None or bool(cfg["ftz"])) and not _INTERPRET  # (inline PTX: GPU only)
     l2_keep = _l2_keep(cfg["l2_keep"], target.element_size(), vocab, num_drafts, batch)
+    keep_evict, rest_evict = ("evict_last", "evict_first") if l2_keep else ("", "")
     stats = torch.empty((pairs, splits, 4), dtype=torch.float32, device=device)
     argmax = torch.empty((pairs, splits), dtype=torch.int32, device=device)
     race = torch.empty((batch, splits2, 6), dtype=torch.float32, device=device)
@@ -1130,8 +1129,7 @@ def rejection_sample_triton(
             num_drafts, chunk, splits, pos_lo, pos_count, COMPUTE_SCORES=compute_scores, KP2=kp2, BLOCK=block,
             ZERO_COUNTERS=fuse and index == 0, PDL_TRIGGER=pdl >= 2 and last, PREFETCH=bool(prefetch),
             STAGED=index > 0, JP2=jp2, SP2=_sp2(splits, cfg["tight_sp2"]), FTZ=ftz, num_warps=warps,
-            keep_positions=l2_keep, KEEP_EVICT="evict_last" if l2_keep else "",
-            REST_EVICT="evict_first" if l2_keep else "", **flags,
+            keep_positions=l2_keep, KEEP_EVICT=keep_evict, REST_EVICT=rest_evict, **flags,
         )
     if cfg["stats_only"]:
         return tokens, num_accepted, None, None
@@ -1143,7 +1141,7 @@ def rejection_sample_triton(
         COMPUTE_SCORES=compute_scores, KP2=kp2, JP2=jp2, SP2=_sp2(splits, cfg["tight_sp2"]), TILES=race_tiles,
         RACE_TILE=RACE_TILE, TILE_BASE=TILE_INDEX_BASE, SINGLE=chunk2 == race_tiles * RACE_TILE, FUSE=fuse,
         SP2B=_sp2(splits2, cfg["tight_sp2"]), MASS_EPS=RESIDUAL_MASS_EPS,
-        PDL_WAIT=pdl >= 1, FTZ=ftz, RACE_EVICT="evict_first" if l2_keep else "", num_warps=race_warps,
+        PDL_WAIT=pdl >= 1, FTZ=ftz, RACE_EVICT=rest_evict, num_warps=race_warps,
         **launch, **flags,
     )
     if not fuse:
