@@ -122,6 +122,12 @@ SWEEP = {
     "l2_off": dict(l2_keep=0),
     "l2_keep1": dict(l2_keep=1),
     "l2_keep2": dict(l2_keep=2),
+    # session 11: the race kernel's logarithms as lg2.approx (tune['fast_log'], on by default since). The sweeps
+    # results/*_s11_{b,c,d}_*.csv also timed a dropped setting 'race_group' (level-1 scores computed after the loop
+    # for groups of tiles; results/rejection_grouped_scores_attempt_s11.txt): in their rows "default" means
+    # grouped (one-warp plans; in _s11_b every plan), "group0" this tree's loop with libdevice logarithms
+    # (no_fast_log) and "fastlog_group0" this tree's default
+    "no_fast_log": dict(fast_log=False),
     # session 10: fewer race programs per row at small B (each combines (K + 1) x S statistics partials)
     **{f"race_prog{n}": dict(race_programs=n) for n in (1, 2, 3, 4)},
     **{f"race_t4w4_prog{n}": dict(race_tiles=4, race_warps=4, race_programs=n) for n in (1, 2)},

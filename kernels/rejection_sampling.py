@@ -62,7 +62,11 @@ Two launch strategies compute the same function:
   whatever runs next on the GPU starts with them in L2 (measured only against the next call of this kernel).
   On the GPU the per-element exponentials of both kernels are one ``ex2.approx.ftz`` each (``tune={"ftz": False}``
   restores ``tl.exp``): values below 2**-126 flush to 0, which moves no sum or race score by more than ~1e-38
-  relative; the interpreter always uses ``tl.exp``.
+  relative; the race kernel's logarithms (race scores and the noise ``log(-log u)``, not the accept test's
+  ``log u``) are one ``lg2.approx.f32`` each (``tune={"fast_log": False}`` restores ``tl.log``): absolute error
+  at most 2.3e-6 (libdevice: 1.0e-6; H100, every 7th fp32 in [2**-24, 16),
+  ``benchmarks/results/fastlog_check_s11_H100.txt``), about one fp32 ulp of the largest noise terms, so only a
+  near-tie of race scores can move. The interpreter always uses ``tl.exp`` and ``tl.log``.
 * ``"seq"`` (opt-in; never faster on an H200, see ``benchmarks/NOTES_rejection.md``): one launch, one program per
   row, positions in order with **early exit**: rows past the first rejection are never read. Bytes read are about
   ``2 * (stop + 1) * V`` per row plus the re-read of the stop row for the race, instead of ``(2K + 1) * V``;
@@ -149,6 +153,18 @@ def _exp(x, FTZ: tl.constexpr):
 
 
 @triton.jit
+def _log(x, FAST_LOG: tl.constexpr):
+    """``log(x)`` in fp32 for the race scores; FAST_LOG: one ``lg2.approx.f32`` (MUFU, subnormal inputs kept) times
+    ln 2 instead of libdevice's ``logf`` (~20 instructions); absolute error at most 2.3e-6 for x in [2**-24, 16)
+    (measured on an H100; libdevice 1.0e-6)."""
+    if FAST_LOG:
+        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1) * 0.6931471805599453
+    else:
+        return tl.log(x)
+
+
+@triton.jit
 def _residual_mass_terms(t, d, p, delta, FTZ: tl.constexpr):
     """max(0, p - q) per element, computed as ``p * (1 - q/p)`` with ``q/p = exp(z)``, ``z = (d - t) - delta``.
 
@@ -165,7 +181,7 @@ def _residual_mass_terms(t, d, p, delta, FTZ: tl.constexpr):
 
 @triton.jit
 def _tile_race_update(t, d, lt, delta, tile, rk_a, rk_b, best_r, tile_r, best_p, tile_p, mass,
-                      TILE_BASE: tl.constexpr, FTZ: tl.constexpr):
+                      TILE_BASE: tl.constexpr, FTZ: tl.constexpr, FAST_LOG: tl.constexpr):
     """Level 1 of the two-level race for ``TILES`` tiles at once (``t``, ``d``: [TILES, RACE_TILE] scaled logits,
     ``tile``: [TILES] tile indices).
 
@@ -180,9 +196,9 @@ def _tile_race_update(t, d, lt, delta, tile, rk_a, rk_b, best_r, tile_r, best_p,
     s_e = tl.sum(e, axis=1)
     p = e * tl.where(lt > float("-inf"), tl.exp(safe - lt), 0.0)[:, None]
     w_r = tl.sum(_residual_mass_terms(t, d, p, delta, FTZ), axis=1)
-    noise = tl.log(-tl.log(uniform_from_keys_tl(rk_a, rk_b, tile.to(tl.uint32) | TILE_BASE)))
-    s_r = tl.where(w_r > 0.0, tl.log(w_r), float("-inf")) - noise
-    s_p = tl.where(s_e > 0.0, safe + tl.log(s_e), float("-inf")) - noise
+    noise = _log(-_log(uniform_from_keys_tl(rk_a, rk_b, tile.to(tl.uint32) | TILE_BASE), FAST_LOG), FAST_LOG)
+    s_r = tl.where(w_r > 0.0, _log(w_r, FAST_LOG), float("-inf")) - noise
+    s_p = tl.where(s_e > 0.0, safe + _log(s_e, FAST_LOG), float("-inf")) - noise
     upd_r = s_r > best_r
     upd_p = s_p > best_p
     return (tl.where(upd_r, s_r, best_r), tl.where(upd_r, tile, tile_r),
@@ -197,15 +213,15 @@ def _lanes_winner(best, idx, none):
 
 
 @triton.jit
-def _block_race(t, d, offs, sel, residual, lt, delta, rk_a, rk_b, V, FTZ: tl.constexpr):
+def _block_race(t, d, offs, sel, residual, lt, delta, rk_a, rk_b, V, FTZ: tl.constexpr, FAST_LOG: tl.constexpr):
     """Level 2 over the ids of a loaded block (``t``, ``d``, ``offs`` of any shape; scaled logits) restricted to
     ``sel``: an exponential race on ``log max(0, p - q)`` (``residual``; the per-element weights of the tile masses)
     or on the scaled target logits (``p`` up to its normaliser). Returns the lowest id of the best score, or ``V``
     when no selected id has a finite score (no tile, or NaN / all ``-inf`` logits)."""
-    noise = tl.log(-tl.log(uniform_from_keys_tl(rk_a, rk_b, offs)))
+    noise = _log(-_log(uniform_from_keys_tl(rk_a, rk_b, offs), FAST_LOG), FAST_LOG)
     if residual:
         w = _residual_mass_terms(t, d, _exp(t - lt, FTZ), delta, FTZ)
-        score = tl.where(w > 0.0, tl.log(w), float("-inf")) - noise
+        score = tl.where(w > 0.0, _log(w, FAST_LOG), float("-inf")) - noise
     else:
         score = t - noise
     score = tl.where(sel, score, float("-inf"))
@@ -215,13 +231,13 @@ def _block_race(t, d, offs, sel, residual, lt, delta, rk_a, rk_b, V, FTZ: tl.con
 
 @triton.jit
 def _in_tile_race(t_base, d_base, tile, residual, lt, delta, scale, rk_a, rk_b, V, v_d,
-                  RACE_TILE: tl.constexpr, FTZ: tl.constexpr):
+                  RACE_TILE: tl.constexpr, FTZ: tl.constexpr, FAST_LOG: tl.constexpr):
     """:func:`_block_race` on ``tile``, loaded again (``tile * RACE_TILE >= V``: no tile, returns ``V``)."""
     offs = tile * RACE_TILE + tl.arange(0, RACE_TILE)[None, :]
     inb = offs < V
     t = tl.load(t_base + offs, mask=inb, other=float("-inf")).to(tl.float32) * scale
     d = tl.load(d_base + offs, mask=offs < v_d, other=float("-inf")).to(tl.float32) * scale
-    return _block_race(t, d, offs, inb, residual, lt, delta, rk_a, rk_b, V, FTZ)
+    return _block_race(t, d, offs, inb, residual, lt, delta, rk_a, rk_b, V, FTZ, FAST_LOG)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -448,7 +464,7 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
                  TILES: tl.constexpr, RACE_TILE: tl.constexpr, TILE_BASE: tl.constexpr, SINGLE: tl.constexpr,
                  FUSE: tl.constexpr,
                  SP2B: tl.constexpr, MASS_EPS: tl.constexpr, PDL_WAIT: tl.constexpr, FTZ: tl.constexpr,
-                 RACE_EVICT: tl.constexpr = ""):
+                 RACE_EVICT: tl.constexpr = "", FAST_LOG: tl.constexpr = False):
     """Accept tests (vectorised over positions), stop position, race over one chunk of the stop row.
 
     race: [B, S2, 6] fp32 (best residual tile score, its tile, best p tile score, its tile, partial residual
@@ -461,6 +477,7 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
     the row's partial winners and writes the outputs (:func:`_finalize_row`): no third launch. Without FUSE,
     ``_finalize_kernel`` does that. PDL_WAIT: launched with programmatic dependent launch; everything that does not
     read the stats kernel's outputs (row setup, random keys, draft ids and their logits) runs before ``gdc_wait``.
+    FAST_LOG: the race scores' logarithms as ``lg2.approx`` (:func:`_log`).
     """
     b = tl.program_id(0)
     split = tl.program_id(1)
@@ -512,14 +529,14 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
     NT = (V + RACE_TILE - 1) // RACE_TILE  # number of tiles; "no tile" is NT
     tiles = tl.arange(0, TILES)
     cols = tl.arange(0, RACE_TILE)
-    best_r = tl.full([TILES], float("-inf"), tl.float32)
-    tile_r = tl.zeros([TILES], tl.int32) + NT
-    best_p = tl.full([TILES], float("-inf"), tl.float32)
-    tile_p = tl.zeros([TILES], tl.int32) + NT
     mass = tl.zeros([TILES], tl.float32)
     # Level 2 runs on this program's best tile of the race the row will most likely use (the residual after a
     # rejection, p for a bonus token); the finalize redoes it only in the rare residual-mass fallback.
     if SINGLE:  # the chunk is one block: level 2 on the block still in registers (small B: no second load)
+        best_r = tl.full([TILES], float("-inf"), tl.float32)
+        tile_r = tl.zeros([TILES], tl.int32) + NT
+        best_p = tl.full([TILES], float("-inf"), tl.float32)
+        tile_p = tl.zeros([TILES], tl.int32) + NT
         tile = lo // RACE_TILE + tiles
         offs = tile[:, None] * RACE_TILE + cols[None, :]
         lim = tl.where(lo < hi, V, 0)  # (a scalar-bool & vector-bool mask trips Triton's interpreter)
@@ -528,17 +545,22 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
         d = tl.load(d_base + offs, mask=offs < tl.minimum(lim, v_d), other=float("-inf"),
                     eviction_policy=RACE_EVICT).to(tl.float32) * scale
         best_r, tile_r, best_p, tile_p, mass = _tile_race_update(
-            t, d, lt_stop, delta_stop, tile, rk_a, rk_b, best_r, tile_r, best_p, tile_p, mass, TILE_BASE, FTZ)
+            t, d, lt_stop, delta_stop, tile, rk_a, rk_b, best_r, tile_r, best_p, tile_p, mass, TILE_BASE, FTZ,
+            FAST_LOG)
         best_r, win_r = _lanes_winner(best_r, tile_r, NT)
         best_p, win_p = _lanes_winner(best_p, tile_p, NT)
         in_win = tile[:, None] == tl.where(rejected, win_r, win_p)
-        local_id = _block_race(t, d, offs, in_win, rejected, lt_stop, delta_stop, rk_a, rk_b, V, FTZ)
+        local_id = _block_race(t, d, offs, in_win, rejected, lt_stop, delta_stop, rk_a, rk_b, V, FTZ, FAST_LOG)
     else:  # loop over blocks with the next block's loads issued before this block's arithmetic
         lim = tl.where(lo < hi, V, 0)
         offs = (lo // RACE_TILE + tiles)[:, None] * RACE_TILE + cols[None, :]
         t_nx = tl.load(t_base + offs, mask=offs < lim, other=float("-inf"), eviction_policy=RACE_EVICT)
         d_nx = tl.load(d_base + offs, mask=offs < tl.minimum(lim, v_d), other=float("-inf"),
                        eviction_policy=RACE_EVICT)
+        best_r = tl.full([TILES], float("-inf"), tl.float32)
+        tile_r = tl.zeros([TILES], tl.int32) + NT
+        best_p = tl.full([TILES], float("-inf"), tl.float32)
+        tile_p = tl.zeros([TILES], tl.int32) + NT
         for start in range(lo, hi, TILES * RACE_TILE):
             tile = start // RACE_TILE + tiles
             offs = tile[:, None] * RACE_TILE + cols[None, :]
@@ -550,11 +572,12 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
             d_nx = tl.load(d_base + nx, mask=nx < tl.minimum(lim, v_d), other=float("-inf"),
                            eviction_policy=RACE_EVICT)
             best_r, tile_r, best_p, tile_p, mass = _tile_race_update(
-                t, d, lt_stop, delta_stop, tile, rk_a, rk_b, best_r, tile_r, best_p, tile_p, mass, TILE_BASE, FTZ)
+                t, d, lt_stop, delta_stop, tile, rk_a, rk_b, best_r, tile_r, best_p, tile_p, mass, TILE_BASE, FTZ,
+                FAST_LOG)
         best_r, win_r = _lanes_winner(best_r, tile_r, NT)
         best_p, win_p = _lanes_winner(best_p, tile_p, NT)
         local_id = _in_tile_race(t_base, d_base, tl.where(rejected, win_r, win_p), rejected, lt_stop, delta_stop,
-                                 scale, rk_a, rk_b, V, v_d, RACE_TILE, FTZ)
+                                 scale, rk_a, rk_b, V, v_d, RACE_TILE, FTZ, FAST_LOG)
     out = (b.to(tl.int64) * S2 + split) * 6
     tl.store(race_ptr + out, best_r)
     tl.store(race_ptr + out + 1, win_r.to(tl.float32))
@@ -624,7 +647,8 @@ def _finalize_row(draft_tokens_ptr, race_ptr, tokens_ptr, num_accepted_ptr, alph
     win = tl.min(tl.where(smask & (best == top) & (best > float("-inf")), tiles, nt), axis=0)
     sampled = tl.sum(tl.where(smask & (tiles == win), local, 0), axis=0)  # one program holds the winning tile
     if rejected & (not use_r):
-        sampled = _in_tile_race(t_base, t_base, win, False, 0.0, 0.0, scale, rk_a, rk_b, V, 0, RACE_TILE, False)
+        sampled = _in_tile_race(t_base, t_base, win, False, 0.0, 0.0, scale, rk_a, rk_b, V, 0, RACE_TILE, False,
+                                False)
     sampled = tl.where((win < nt) & (sampled < V), sampled, -1)
     nxt = tl.where(g != 0, greedy_next, sampled)
 
@@ -746,11 +770,12 @@ def _seq_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy_
         t = tl.load(t_base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * scale
         d = tl.load(d_base + offs, mask=offs < v_d, other=float("-inf")).to(tl.float32) * scale
         best_r, tile_r, best_p, tile_p, mass = _tile_race_update(
-            t, d, lt_stop, delta_stop, tile, rk_a, rk_b, best_r, tile_r, best_p, tile_p, mass, TILE_BASE, False)
+            t, d, lt_stop, delta_stop, tile, rk_a, rk_b, best_r, tile_r, best_p, tile_p, mass, TILE_BASE, False,
+            False)
     use_r = rejected & (tl.sum(mass, axis=0) > MASS_EPS)
     win = tl.where(use_r, _lanes_winner(best_r, tile_r, NT)[1], _lanes_winner(best_p, tile_p, NT)[1])
     sampled = _in_tile_race(t_base, d_base, win, use_r, lt_stop, delta_stop, scale, rk_a, rk_b, V, v_d, RACE_TILE,
-                             False)
+                             False, False)
     nxt = tl.where(g != 0, am_stop, sampled)
     nxt = tl.where(nxt < V, nxt, -1)
     xv = tl.load(draft_tokens_ptr + b.to(tl.int64) * K + js, mask=js < K, other=-1)
@@ -827,9 +852,15 @@ SEQ_MIN_BATCH = 1 << 62
 #                   results/rejection_sweep_H100_80GB_HBM3_s9_{d,e}_bf16.csv)
 #   l2_keep         statistics rows of the first n positions loaded ``evict_last``, the other statistics rows and
 #                   the race kernel's level-1 loads ``evict_first`` (0: no eviction hints); None: see _l2_keep
+#   fast_log        the race kernel's logarithms (race scores and the exponential noise ``log(-log u)``; not the
+#                   accept test) as one ``lg2.approx.f32`` each instead of libdevice's ``logf``; None: on (GPU). Race
+#                   loop 376 -> 299 instructions per 256-id tile at the fp32 one-warp plan (sm_90a SASS); H100 same
+#                   process (results/rejection_sweep_H100_80GB_HBM3_s11_d_{fp32,bf16}.csv): fp32 (128, 1, 32000)
+#                   30.2 -> 27.4 us, (64, 4, 32000) 35.1 -> 32.8; bf16 (128, 1, 151936) 75.9 -> 67.5, (1, 1, 128256)
+#                   8.9 -> 7.8, (128, 8, 151936) 186.1 -> 178.9; 2.5-13% faster at all 23 shapes timed
 TUNE_DEFAULT = dict(fuse=True, race_tiles=None, race_warps=None, race_programs=None, stats_programs=None,
                     stats_block=None, stats_warps=None, stats_prefetch=None, tight_sp2=True, pdl=None, stats_only=False,
-                    stages=None, skip_bonus=None, ftz=None, l2_keep=None)
+                    stages=None, skip_bonus=None, ftz=None, l2_keep=None, fast_log=None)
 # automatic choices (None above), each measured on an H200 unless said otherwise (benchmarks/NOTES_rejection.md):
 #   stats_prefetch None: on for B >= 16 with the 4096 tile (B (K+1) tiles >= 4 per SM), with 16 warps when the stats
 #                   grid has one program per (row, position) (B (K+1) >= stats_programs * SMs; (128, 8): stats
@@ -1107,6 +1138,7 @@ def rejection_sample_triton(
     else:
         pdl = int(cfg["pdl"])
     ftz = (cfg["ftz"] is None or bool(cfg["ftz"])) and not _INTERPRET  # (inline PTX: GPU only)
+    fast_log = (cfg["fast_log"] is None or bool(cfg["fast_log"])) and not _INTERPRET  # (inline PTX: GPU only)
     l2_keep = _l2_keep(cfg["l2_keep"], target.element_size(), vocab, num_drafts, batch)
     keep_evict, rest_evict = ("evict_last", "evict_first") if l2_keep else ("", "")
     stats = torch.empty((pairs, splits, 4), dtype=torch.float32, device=device)
@@ -1142,7 +1174,7 @@ def rejection_sample_triton(
         RACE_TILE=RACE_TILE, TILE_BASE=TILE_INDEX_BASE, SINGLE=chunk2 == race_tiles * RACE_TILE, FUSE=fuse,
         SP2B=_sp2(splits2, cfg["tight_sp2"]), MASS_EPS=RESIDUAL_MASS_EPS,
         PDL_WAIT=pdl >= 1, FTZ=ftz, RACE_EVICT=rest_evict, num_warps=race_warps,
-        **launch, **flags,
+        FAST_LOG=fast_log, **launch, **flags,
     )
     if not fuse:
         _finalize_kernel[(batch,)](

@@ -511,7 +511,7 @@ GPU_LAUNCH_PLANS = dict(default={}, no_fuse=LAUNCH_PLANS["no_fuse"],
                         race_tiles4=dict(race_tiles=4, race_warps=4), race_programs8=dict(race_programs=8),
                         no_stats_prefetch=dict(stats_prefetch=False),
                         one_warp_race=LAUNCH_PLANS["one_warp_race"], pdl1=dict(pdl=1), pdl2=dict(pdl=2),
-                        no_ftz=dict(ftz=False), l2_keep=dict(l2_keep=2))
+                        no_ftz=dict(ftz=False), l2_keep=dict(l2_keep=2), no_fast_log=dict(fast_log=False))
 
 
 @gpu_only
