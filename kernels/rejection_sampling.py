@@ -856,8 +856,9 @@ SEQ_MIN_BATCH = 1 << 62
 #                   accept test) as one ``lg2.approx.f32`` each instead of libdevice's ``logf``; None: on (GPU). Race
 #                   loop 376 -> 299 instructions per 256-id tile at the fp32 one-warp plan (sm_90a SASS); H100 same
 #                   process (results/rejection_sweep_H100_80GB_HBM3_s11_d_{fp32,bf16}.csv): fp32 (128, 1, 32000)
-#                   30.2 -> 27.4 us, (64, 4, 32000) 35.1 -> 32.8; bf16 (128, 1, 151936) 75.9 -> 67.5, (1, 1, 128256)
-#                   8.9 -> 7.8, (128, 8, 151936) 186.1 -> 178.9; 2.5-13% faster at all 23 shapes timed
+#                   30.2 -> 27.3 us, (64, 4, 32000) 35.1 -> 32.8; bf16 (128, 1, 151936) 75.9 -> 67.5, (1, 1, 128256)
+#                   8.9 -> 7.8, (128, 8, 151936) 186.1 -> 178.9; faster at all 23 shapes timed, by 1.5% (fp32
+#                   (128, 8, 32000)) to 12% (bf16 (1, 1, 128256))
 TUNE_DEFAULT = dict(fuse=True, race_tiles=None, race_warps=None, race_programs=None, stats_programs=None,
                     stats_block=None, stats_warps=None, stats_prefetch=None, tight_sp2=True, pdl=None, stats_only=False,
                     stages=None, skip_bonus=None, ftz=None, l2_keep=None, fast_log=None)
