@@ -532,6 +532,8 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
     mass = tl.zeros([TILES], tl.float32)
     # Level 2 runs on this program's best tile of the race the row will most likely use (the residual after a
     # rejection, p for a bonus token); the finalize redoes it only in the rare residual-mass fallback.
+    # (the running winners start in each branch: initialised above the branch, the one-warp plans compile to a
+    # different instruction schedule than the one measured in session 11)
     if SINGLE:  # the chunk is one block: level 2 on the block still in registers (small B: no second load)
         best_r = tl.full([TILES], float("-inf"), tl.float32)
         tile_r = tl.zeros([TILES], tl.int32) + NT
