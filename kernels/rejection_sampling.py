@@ -991,6 +991,14 @@ def _l2_keep(setting: int | None, element_size: int, vocab: int, num_drafts: int
     return int(setting)
 
 
+def _fast_math(key: str, setting: bool | None) -> bool:
+    """Whether an inline-PTX fast-math setting (``tune['ftz']``, ``tune['fast_log']``) is used: None or True on the
+    GPU, never in the interpreter (it has no PTX)."""
+    if setting is not None and not isinstance(setting, bool):
+        raise ValueError(f"tune[{key!r}] must be None, True or False, got {setting!r}")
+    return setting is not False and not _INTERPRET
+
+
 def _race_plan(element_size: int, batch: int, cfg: dict, num_warps: int | None, interpret: bool,
                vocab: int = 1 << 20) -> tuple[int, int, int]:
     """``(race_tiles, race_warps, race_programs)`` of the race kernel from the tune settings (None = automatic)."""
@@ -1140,8 +1148,8 @@ def rejection_sample_triton(
         pdl = 2 if (batch <= 8 and major_capability(device) >= 9) else 0  # PDL needs sm_90+
     else:
         pdl = int(cfg["pdl"])
-    ftz = (cfg["ftz"] is None or bool(cfg["ftz"])) and not _INTERPRET  # (inline PTX: GPU only)
-    fast_log = (cfg["fast_log"] is None or bool(cfg["fast_log"])) and not _INTERPRET  # (inline PTX: GPU only)
+    ftz = _fast_math("ftz", cfg["ftz"])
+    fast_log = _fast_math("fast_log", cfg["fast_log"])
     l2_keep = _l2_keep(cfg["l2_keep"], target.element_size(), vocab, num_drafts, batch)
     keep_evict, rest_evict = ("evict_last", "evict_first") if l2_keep else ("", "")
     stats = torch.empty((pairs, splits, 4), dtype=torch.float32, device=device)

@@ -234,6 +234,16 @@ def test_l2_keep_rule_keeps_position_0_for_fp32_batches_of_32_or_more_with_small
         _l2_keep(-1, 4, 32000, 4, 32)
 
 
+@pytest.mark.parametrize("key", ["ftz", "fast_log"])
+def test_fast_math_settings_must_be_none_or_bool(key):
+    case = make_case(1, 1, 100, seed=1)
+    with pytest.raises(ValueError, match=key):
+        rejection_sample_triton(*case, 1.0, tune={key: "no"})
+    with pytest.raises(ValueError, match=key):
+        rejection_sample_triton(*case, 1.0, tune={key: 0})
+    rejection_sample_triton(*case, 1.0, tune={key: False})  # accepted (the interpreter ignores it)
+
+
 def test_unknown_tune_key_is_an_error():
     case = make_case(1, 1, 100, seed=1)
     with pytest.raises(ValueError, match="unknown tune"):
