@@ -1,0 +1,233 @@
+"""Probe kernel (session 12, not used by the library): the divergence forward with each row held in shared memory
+across a thread-block cluster (Hopper, Gluon as shipped in Triton 3.6). It lost to the shipped one-program-per-row
+kernel on an H100 (NOTES_divergence.md, "Session 12").
+
+Cluster ``cid`` (``C`` CTAs, persistent) walks rows ``cid, cid + n_clusters, ...``. CTA ``rank`` owns columns
+``[rank * chunk_cols, (rank + 1) * chunk_cols)`` of every row: it copies that chunk of both logit rows into shared
+memory with ``cp.async`` (two slots: the next row's copy is in flight while the current row is reduced), runs pass 1
+from shared memory, publishes the chunk statistics to a global scratch, waits on the cluster barrier, combines the
+row's ``C`` statistics and runs pass 2 (TV / alpha) from the same shared memory. Each logit is read from DRAM once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+_PATCHED: set[int] = set()
+
+
+@gluon.jit
+def _max2(a0, a1, b0, b1):
+    return gl.maximum(a0, b0), gl.maximum(a1, b1)
+
+
+@gluon.jit
+def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@gluon.jit
+def _exp2(x):
+    """2^x as one ``ex2.approx.ftz.f32`` (libdevice's exp2f adds a denormal path; results below 2^-126 are 0)."""
+    return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _cluster_barrier():
+    gl.inline_asm_elementwise(
+        "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n\tmov.u32 $0, 0;",
+        "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _issue_row(buf, slot, v_ptr, d_ptr, row, n_rows, stride_v, stride_d, c0, c1, offs,
+               NT: gl.constexpr, TILE: gl.constexpr):
+    row64 = row.to(gl.int64)
+    live = row < n_rows
+    v_row = v_ptr + row64 * stride_v
+    d_row = d_ptr + row64 * stride_d
+    for t in gl.static_range(NT):
+        cols = c0 + t * TILE + offs
+        inb = gl.max_constancy((cols < c1) & live, 8)
+        async_copy.async_copy_global_to_shared(buf.index(slot * 2 * NT + t), v_row + cols, mask=inb,
+                                               cache_modifier=".cg")
+        async_copy.async_copy_global_to_shared(buf.index((slot * 2 + 1) * NT + t), d_row + cols, mask=inb,
+                                               cache_modifier=".cg")
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _smem_cluster_kernel(
+    v_ptr, d_ptr, stride_v, stride_d,
+    stats_ptr, part_ptr, ce_ptr, kl_ptr, status_ptr,
+    n_rows, vocab, chunk_cols, n_clusters, scale2,
+    C: gl.constexpr, NT: gl.constexpr, TILE: gl.constexpr, NUM_WARPS: gl.constexpr,
+):
+    LN2: gl.constexpr = 0.6931471805599453
+    NEG_INF: gl.constexpr = float("-inf")
+    layout: gl.constexpr = gl.BlockedLayout([8], [32], [NUM_WARPS], [0])
+    small: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    buf = gl.allocate_shared_memory(v_ptr.dtype.element_ty, [4 * NT, TILE], smem_layout)
+    pid = gl.program_id(0)
+    cid = pid // C
+    rank = pid % C
+    c0 = rank * chunk_cols
+    c1 = gl.minimum(c0 + chunk_cols, vocab)
+    offs = gl.arange(0, TILE, layout=layout)
+    goffs = gl.arange(0, C, layout=small)
+    n_mine = gl.cdiv(n_rows - cid, n_clusters)
+    _issue_row(buf, 0, v_ptr, d_ptr, cid, n_rows, stride_v, stride_d, c0, c1, offs, NT, TILE)
+    for it in range(0, n_mine):
+        row = cid + it * n_clusters
+        slot = it % 2
+        _issue_row(buf, 1 - slot, v_ptr, d_ptr, row + n_clusters, n_rows, stride_v, stride_d, c0, c1, offs,
+                   NT, TILE)
+        async_copy.wait_group(1)
+        gl.thread_barrier()
+        row64 = row.to(gl.int64)
+        # pass 1 from shared memory with per-lane accumulators (one cross-warp reduction per quantity per row,
+        # not per tile): the chunk maxima first, then the sums against them
+        mxv = gl.full([TILE], NEG_INF, gl.float32, layout)
+        myv = gl.full([TILE], NEG_INF, gl.float32, layout)
+        for t in range(NT):
+            inb = (c0 + t * TILE + offs) < c1
+            x = buf.index(slot * 2 * NT + t).load(layout).to(gl.float32)
+            y = buf.index((slot * 2 + 1) * NT + t).load(layout).to(gl.float32)
+            mxv = gl.maximum(mxv, gl.where(inb, x, NEG_INF))
+            myv = gl.maximum(myv, gl.where(inb, y, NEG_INF))
+        mx, my = gl.reduce((mxv, myv), 0, _max2)
+        mx = mx * scale2
+        my = my * scale2
+        mx_ref = gl.where(mx == NEG_INF, 0.0, mx)
+        my_ref = gl.where(my == NEG_INF, 0.0, my)
+        sxv = gl.zeros([TILE], gl.float32, layout)
+        syv = gl.zeros([TILE], gl.float32, layout)
+        rv = gl.zeros([TILE], gl.float32, layout)
+        ev = gl.zeros([TILE], gl.float32, layout)
+        for t in range(NT):
+            inb = (c0 + t * TILE + offs) < c1
+            x = buf.index(slot * 2 * NT + t).load(layout).to(gl.float32) * scale2
+            y = buf.index((slot * 2 + 1) * NT + t).load(layout).to(gl.float32) * scale2
+            x = gl.where(inb, x, NEG_INF)
+            y = gl.where(inb, y, NEG_INF)
+            dx = x - mx_ref
+            wx = _exp2(dx)
+            fx = x > NEG_INF
+            sxv += wx
+            syv += _exp2(y - my_ref)
+            rv += gl.where(fx, wx * dx, 0.0)
+            ev += gl.where(fx, wx * (x - y), 0.0)
+        sx, sy, r, e = gl.reduce((sxv, syv, rv, ev), 0, _add4)
+        slot64 = row64 * C + rank
+        st = stats_ptr + slot64 * 8
+        gl.store(st + 0, mx)
+        gl.store(st + 1, sx)
+        gl.store(st + 2, my)
+        gl.store(st + 3, sy)
+        gl.store(st + 4, r)
+        gl.store(st + 5, e)
+        _cluster_barrier()
+        sb = stats_ptr + (row64 * C + goffs) * 8
+        mx_c = gl.load(sb + 0, cache_modifier=".cg")
+        sx_c = gl.load(sb + 1, cache_modifier=".cg")
+        my_c = gl.load(sb + 2, cache_modifier=".cg")
+        sy_c = gl.load(sb + 3, cache_modifier=".cg")
+        r_c = gl.load(sb + 4, cache_modifier=".cg")
+        e_c = gl.load(sb + 5, cache_modifier=".cg")
+        gx = gl.max(mx_c, 0)
+        gy = gl.max(my_c, 0)
+        gx = gl.where(gx == NEG_INF, 0.0, gx)
+        gy = gl.where(gy == NEG_INF, 0.0, gy)
+        live_x = sx_c != 0.0
+        live_y = sy_c != 0.0
+        f_x = gl.where(live_x, gl.exp2(mx_c - gx), 0.0)
+        f_y = gl.where(live_y, gl.exp2(my_c - gy), 0.0)
+        sx_t = gl.sum(gl.where(live_x, f_x * sx_c, 0.0), 0)
+        sy_t = gl.sum(gl.where(live_y, f_y * sy_c, 0.0), 0)
+        r_t = gl.sum(gl.where(live_x, f_x * (r_c + (mx_c - gx) * sx_c), 0.0), 0)
+        e_t = gl.sum(gl.where(live_x, f_x * e_c, 0.0), 0)
+        log2_sx = gl.log2(sx_t)
+        log2_sy = gl.log2(sy_t)
+        lp = gx + log2_sx
+        lq = gy + log2_sy
+        acc_abs = gl.zeros([TILE], gl.float32, layout)
+        acc_min = gl.zeros([TILE], gl.float32, layout)
+        for t in range(NT):
+            inb = (c0 + t * TILE + offs) < c1
+            x = buf.index(slot * 2 * NT + t).load(layout).to(gl.float32) * scale2
+            y = buf.index((slot * 2 + 1) * NT + t).load(layout).to(gl.float32) * scale2
+            px = gl.where(inb, _exp2(x - lp), 0.0)
+            qy = gl.where(inb, _exp2(y - lq), 0.0)
+            acc_abs += gl.abs(px - qy)
+            acc_min += gl.minimum(px, qy)
+        pt = part_ptr + slot64 * 2
+        gl.store(pt + 0, gl.sum(acc_abs, 0))
+        gl.store(pt + 1, gl.sum(acc_min, 0))
+        if rank == 0:
+            status = gl.where(sx_t > 0.0, 0, 1) + gl.where(sy_t > 0.0, 0, 2)
+            entropy = LN2 * (log2_sx - r_t / sx_t)
+            kl = LN2 * gl.maximum(e_t / sx_t - lp + lq, 0.0)
+            kl = gl.where(e_t != e_t, float("inf"), kl)
+            gl.store(ce_ptr + row64, entropy + kl)
+            gl.store(kl_ptr + row64, kl)
+            gl.store(status_ptr + row64, status)
+        gl.thread_barrier()  # every thread is done with this slot before the next iteration refills it
+    async_copy.wait_group(0)
+
+
+def smem_layout_for(vocab: int, elem_bytes: int, tile: int = 2048, smem_budget: int = 200 * 1024,
+                    cluster_size: int = 0) -> tuple[int, int, int]:
+    """``(C, chunk_cols, NT)``: the smallest cluster whose two slots of both rows fit ``smem_budget``."""
+    for c in ((cluster_size,) if cluster_size else (2, 4, 8, 16)):
+        chunk = -(-vocab // c)
+        chunk = -(-chunk // 16) * 16  # 16-column aligned chunks: 16-byte cp.async for 16-bit logits
+        nt = -(-chunk // tile)
+        if 4 * nt * tile * elem_bytes <= smem_budget:
+            return c, chunk, nt
+    raise ValueError(f"vocabulary {vocab} too large for a 16-CTA cluster in shared memory")
+
+
+def launch_smem_cluster(verifier_logits: torch.Tensor, drafter_logits: torch.Tensor, temperature: float,
+                        tile: int = 2048, num_warps: int = 4, cluster_size: int = 0, clusters: int = 0):
+    """Probe launcher (no mask, no tasks): [N] float32 ce, kl, tv, alpha, int32 status, and the compiled kernel."""
+    n_rows, vocab = verifier_logits.shape
+    device = verifier_logits.device
+    c, chunk_cols, nt = smem_layout_for(vocab, verifier_logits.element_size(), tile, cluster_size=cluster_size)
+    f32 = dict(dtype=torch.float32, device=device)
+    stats = torch.empty(n_rows * c * 8, **f32)
+    part = torch.empty(n_rows * c, 2, **f32)
+    ce = torch.empty(n_rows, **f32)
+    kl = torch.empty(n_rows, **f32)
+    status = torch.empty(n_rows, dtype=torch.int32, device=device)
+    n_clusters = clusters or max(1, torch.cuda.get_device_properties(device).multi_processor_count // c)
+    n_clusters = min(n_clusters, n_rows)
+    args = (verifier_logits, drafter_logits, verifier_logits.stride(0), drafter_logits.stride(0), stats, part,
+            ce, kl, status, n_rows, vocab, chunk_cols, n_clusters, 1.4426950408889634 / temperature)
+    meta = dict(C=c, NT=nt, TILE=tile, NUM_WARPS=num_warps, num_warps=num_warps)
+    if not clusters:
+        try:
+            probe = _smem_cluster_kernel.warmup(*args, grid=(n_clusters * c,), **meta)
+            probe._init_handles()
+            fit = triton.runtime.driver.active.utils.cuOccupancyMaxActiveClusters(
+                probe.function, probe.metadata.shared, c)
+            n_clusters = max(1, min(n_clusters, int(fit)))
+            args = args[:-2] + (n_clusters, args[-1])
+        except Exception:  # noqa: BLE001 - keep the SM-count estimate
+            pass
+    # patch the kernel compiled for the final arguments (an integer argument's value can change its specialisation)
+    compiled = _smem_cluster_kernel.warmup(*args, grid=(n_clusters * c,), **meta)
+    if id(compiled) not in _PATCHED:
+        nw, _, shared = compiled.packed_metadata
+        compiled.packed_metadata = (nw, c, shared)
+        _PATCHED.add(id(compiled))
+    _smem_cluster_kernel[(n_clusters,)](*args, **meta)
+    sums = part.view(n_rows, c, 2).sum(dim=1)
+    tv = (0.5 * sums[:, 0]).clamp(0.0, 1.0)
+    alpha = sums[:, 1].clamp(0.0, 1.0)
+    return ce, kl, tv, alpha, status, compiled
