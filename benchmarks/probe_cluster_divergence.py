@@ -4,10 +4,12 @@ Three designs, each a config string (``--configs``, comma-separated):
 
 * ``r:C:W:H`` register-resident, one row per cluster (``benchmarks/probe_cluster_kernels.py``; H = 1 keeps the raw
   16-bit logits across the barrier instead of the float32 weights);
-* ``s:C:W:BLOCK:CTAS_PER_SM:EVICT_LAST`` persistent clusters streaming their chunk in tiles, pass 2 re-read from L2
-  (same file);
+* ``s:C:W:BLOCK:CTAS_PER_SM:EVICT_LAST[:STAGES]`` persistent clusters streaming their chunk in tiles, pass 2
+  re-read from L2 (same file; STAGES: ``tl.range`` pipelining stages of both passes);
 * ``g:TILE:W:C:CLUSTERS`` persistent clusters holding their chunk in shared memory, filled by ``cp.async`` one row
-  ahead (Gluon, ``benchmarks/probe_cluster_smem.py``; C = 0 / CLUSTERS = 0: chosen by the launcher).
+  ahead (Gluon, ``benchmarks/probe_cluster_smem.py``; C = 0 / CLUSTERS = 0: chosen by the launcher);
+* ``h:K:W:C:CLUSTERS`` the same with three slots (two rows ahead), per-lane online statistics (one shared-memory pass
+  for pass 1; K columns per lane per tile) and pass 1 of the next row overlapping the current row's cluster barrier.
 
 Each config is first checked against the float64 reference (``check ...`` lines of the log), then timed (CUDA-graph
 medians) against the shipped one-program-per-row kernel (``specdec_row``) and a device copy, in one process on one
@@ -37,6 +39,11 @@ def make(config: str):
     """The launcher of one config string (see the module doc)."""
     kind, *nums = config.split(':')
     nums = [int(x) for x in nums]
+    if kind == 'h':
+        from benchmarks.probe_cluster_smem import launch_smem_cluster_v2
+
+        return lambda a, b, t: launch_smem_cluster_v2(a, b, t, k=nums[0], num_warps=nums[1], cluster_size=nums[2],
+                                                      clusters=nums[3])
     if kind == 'g':
         from benchmarks.probe_cluster_smem import launch_smem_cluster
 
@@ -46,7 +53,8 @@ def make(config: str):
         return lambda a, b, t: launch_cluster_forward(a, b, t, cluster_size=nums[0], num_warps=nums[1],
                                                       hold_raw=bool(nums[2]))
     return lambda a, b, t: launch_cluster_stream(a, b, t, cluster_size=nums[0], num_warps=nums[1], block=nums[2],
-                                                 ctas_per_sm=nums[3], evict1='evict_last' if nums[4] else '')
+                                                 ctas_per_sm=nums[3], evict1='evict_last' if nums[4] else '',
+                                                 stages=nums[5] if len(nums) > 5 else 1)
 
 
 def check(configs, log):
@@ -62,7 +70,7 @@ def check(configs, log):
         b[2] = a[2]
         ref = divergence_reference(a, b, 0.8)
         for config in configs:
-            if config.startswith("g") and v % 16:
+            if config[0] in "gh" and v % 16:
                 continue
             try:
                 out = make(config)(a, b, 0.8)
@@ -131,8 +139,11 @@ def main() -> None:
                 if cfg is not None:
                     compiled = fn()[5]
                     regs, spills = compiled.n_regs, compiled.n_spills
-                    if cfg.startswith("g"):
-                        spills = f"{spills} shared {compiled.metadata.shared}"
+                    if cfg[0] in "gh":
+                        from benchmarks.probe_cluster_smem import LAST_CLUSTERS
+
+                        spills = f"{spills} shared {compiled.metadata.shared} clusters {dict(LAST_CLUSTERS)}"
+                        LAST_CLUSTERS.clear()
                 frac = nbytes / (med * 1e-6) / 1e9 / copy
                 log(f"{n}x{v} rep{rep} {name}: {med:.1f} us (p20 {p20:.1f}, p80 {p80:.1f}) = {frac:.1%} of copy"
                     f" regs {regs} spills {spills}")

@@ -195,7 +195,7 @@ def _cluster_stream_kernel(
     stats_ptr, part_ptr,
     ce_ptr, kl_ptr, status_ptr,
     n_rows, vocab, chunk_cols, n_clusters, scale2,
-    C: tl.constexpr, BLOCK: tl.constexpr, EVICT1: tl.constexpr,
+    C: tl.constexpr, BLOCK: tl.constexpr, EVICT1: tl.constexpr, STAGES: tl.constexpr = 1,
 ):
     """Persistent clusters: cluster ``pid // C`` walks rows ``cid, cid + n_clusters, ...``; CTA ``pid % C`` streams
     its chunk of each row in tiles (pass 1), publishes the chunk statistics, waits on the cluster barrier, then
@@ -220,7 +220,7 @@ def _cluster_stream_kernel(
         sy = 0.0
         r = 0.0
         e = 0.0
-        for i in range(0, n_ct):
+        for i in tl.range(0, n_ct, num_stages=STAGES):
             cols = c0 + i * BLOCK + offs
             inb = cols < c1
             x = tl.load(v_row + cols, mask=inb, other=NEG_INF, eviction_policy=EVICT1).to(tl.float32) * scale2
@@ -279,7 +279,7 @@ def _cluster_stream_kernel(
         lq = gy + log2_sy
         acc_abs = tl.zeros([BLOCK], dtype=tl.float32)
         acc_min = tl.zeros([BLOCK], dtype=tl.float32)
-        for i in range(0, n_ct):
+        for i in tl.range(0, n_ct, num_stages=STAGES):
             cols = c0 + (n_ct - 1 - i) * BLOCK + offs
             inb = cols < c1
             x = tl.load(v_row + cols, mask=inb, other=NEG_INF, eviction_policy="evict_first")
@@ -303,7 +303,7 @@ def _cluster_stream_kernel(
 
 def launch_cluster_stream(verifier_logits: torch.Tensor, drafter_logits: torch.Tensor, temperature: float,
                           cluster_size: int = 16, num_warps: int = 4, block: int = 2048, ctas_per_sm: int = 4,
-                          evict1: str = ""):
+                          evict1: str = "", stages: int = 1):
     """Probe launcher of the persistent streaming variant (no mask, no tasks)."""
     from kernels._device import sm_count
 
@@ -320,7 +320,7 @@ def launch_cluster_stream(verifier_logits: torch.Tensor, drafter_logits: torch.T
     status = torch.empty(n_rows, dtype=torch.int32, device=device)
     args = (verifier_logits, drafter_logits, verifier_logits.stride(0), drafter_logits.stride(0), stats, part,
             ce, kl, status, n_rows, vocab, chunk_cols, n_clusters, 1.4426950408889634 / temperature)
-    meta = dict(C=cluster_size, BLOCK=block, EVICT1=evict1, num_warps=num_warps)
+    meta = dict(C=cluster_size, BLOCK=block, EVICT1=evict1, STAGES=stages, num_warps=num_warps)
     compiled = _cluster_stream_kernel.warmup(*args, grid=(n_clusters * cluster_size,), **meta)
     if id(compiled) not in _PATCHED:
         nw, _, shared = compiled.packed_metadata
