@@ -62,13 +62,56 @@ def _issue_row(buf, slot, v_ptr, d_ptr, row, n_rows, stride_v, stride_d, c0, c1,
 
 
 @gluon.jit
+def _combine_row(stats_ptr, row64, goffs, C: gl.constexpr):
+    """Every CTA of the cluster combines the row's ``C`` chunk statistics (after the barrier): ``(lp, lq, Sx, Sy, R,
+    E, log2 Sx)`` with base-2 log-normalisers ``lp``, ``lq``."""
+    NEG_INF: gl.constexpr = float("-inf")
+    sb = stats_ptr + (row64 * C + goffs) * 8
+    mx_c = gl.load(sb + 0, cache_modifier=".cg")
+    sx_c = gl.load(sb + 1, cache_modifier=".cg")
+    my_c = gl.load(sb + 2, cache_modifier=".cg")
+    sy_c = gl.load(sb + 3, cache_modifier=".cg")
+    r_c = gl.load(sb + 4, cache_modifier=".cg")
+    e_c = gl.load(sb + 5, cache_modifier=".cg")
+    gx = gl.max(mx_c, 0)
+    gy = gl.max(my_c, 0)
+    gx = gl.where(gx == NEG_INF, 0.0, gx)
+    gy = gl.where(gy == NEG_INF, 0.0, gy)
+    live_x = sx_c != 0.0
+    live_y = sy_c != 0.0
+    f_x = gl.where(live_x, gl.exp2(mx_c - gx), 0.0)
+    f_y = gl.where(live_y, gl.exp2(my_c - gy), 0.0)
+    sx_t = gl.sum(gl.where(live_x, f_x * sx_c, 0.0), 0)
+    sy_t = gl.sum(gl.where(live_y, f_y * sy_c, 0.0), 0)
+    r_t = gl.sum(gl.where(live_x, f_x * (r_c + (mx_c - gx) * sx_c), 0.0), 0)
+    e_t = gl.sum(gl.where(live_x, f_x * e_c, 0.0), 0)
+    log2_sx = gl.log2(sx_t)
+    log2_sy = gl.log2(sy_t)
+    lp = gx + log2_sx
+    lq = gy + log2_sy
+    return lp, lq, sx_t, sy_t, r_t, e_t, log2_sx
+
+
+@gluon.jit
+def _write_row(ce_ptr, kl_ptr, status_ptr, row64, lp, lq, sx_t, sy_t, r_t, e_t, log2_sx):
+    """H(p, q), KL and the status word of one row, from the combined statistics (rank 0 of the cluster)."""
+    LN2: gl.constexpr = 0.6931471805599453
+    status = gl.where(sx_t > 0.0, 0, 1) + gl.where(sy_t > 0.0, 0, 2)
+    entropy = LN2 * (log2_sx - r_t / sx_t)
+    kl = LN2 * gl.maximum(e_t / sx_t - lp + lq, 0.0)
+    kl = gl.where(e_t != e_t, float("inf"), kl)
+    gl.store(ce_ptr + row64, entropy + kl)
+    gl.store(kl_ptr + row64, kl)
+    gl.store(status_ptr + row64, status)
+
+
+@gluon.jit
 def _smem_cluster_kernel(
     v_ptr, d_ptr, stride_v, stride_d,
     stats_ptr, part_ptr, ce_ptr, kl_ptr, status_ptr,
     n_rows, vocab, chunk_cols, n_clusters, scale2,
     C: gl.constexpr, NT: gl.constexpr, TILE: gl.constexpr, NUM_WARPS: gl.constexpr,
 ):
-    LN2: gl.constexpr = 0.6931471805599453
     NEG_INF: gl.constexpr = float("-inf")
     layout: gl.constexpr = gl.BlockedLayout([8], [32], [NUM_WARPS], [0])
     small: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
@@ -133,29 +176,7 @@ def _smem_cluster_kernel(
         gl.store(st + 4, r)
         gl.store(st + 5, e)
         _cluster_barrier()
-        sb = stats_ptr + (row64 * C + goffs) * 8
-        mx_c = gl.load(sb + 0, cache_modifier=".cg")
-        sx_c = gl.load(sb + 1, cache_modifier=".cg")
-        my_c = gl.load(sb + 2, cache_modifier=".cg")
-        sy_c = gl.load(sb + 3, cache_modifier=".cg")
-        r_c = gl.load(sb + 4, cache_modifier=".cg")
-        e_c = gl.load(sb + 5, cache_modifier=".cg")
-        gx = gl.max(mx_c, 0)
-        gy = gl.max(my_c, 0)
-        gx = gl.where(gx == NEG_INF, 0.0, gx)
-        gy = gl.where(gy == NEG_INF, 0.0, gy)
-        live_x = sx_c != 0.0
-        live_y = sy_c != 0.0
-        f_x = gl.where(live_x, gl.exp2(mx_c - gx), 0.0)
-        f_y = gl.where(live_y, gl.exp2(my_c - gy), 0.0)
-        sx_t = gl.sum(gl.where(live_x, f_x * sx_c, 0.0), 0)
-        sy_t = gl.sum(gl.where(live_y, f_y * sy_c, 0.0), 0)
-        r_t = gl.sum(gl.where(live_x, f_x * (r_c + (mx_c - gx) * sx_c), 0.0), 0)
-        e_t = gl.sum(gl.where(live_x, f_x * e_c, 0.0), 0)
-        log2_sx = gl.log2(sx_t)
-        log2_sy = gl.log2(sy_t)
-        lp = gx + log2_sx
-        lq = gy + log2_sy
+        lp, lq, sx_t, sy_t, r_t, e_t, log2_sx = _combine_row(stats_ptr, row64, goffs, C)
         acc_abs = gl.zeros([TILE], gl.float32, layout)
         acc_min = gl.zeros([TILE], gl.float32, layout)
         for t in range(NT):
@@ -170,13 +191,7 @@ def _smem_cluster_kernel(
         gl.store(pt + 0, gl.sum(acc_abs, 0))
         gl.store(pt + 1, gl.sum(acc_min, 0))
         if rank == 0:
-            status = gl.where(sx_t > 0.0, 0, 1) + gl.where(sy_t > 0.0, 0, 2)
-            entropy = LN2 * (log2_sx - r_t / sx_t)
-            kl = LN2 * gl.maximum(e_t / sx_t - lp + lq, 0.0)
-            kl = gl.where(e_t != e_t, float("inf"), kl)
-            gl.store(ce_ptr + row64, entropy + kl)
-            gl.store(kl_ptr + row64, kl)
-            gl.store(status_ptr + row64, status)
+            _write_row(ce_ptr, kl_ptr, status_ptr, row64, lp, lq, sx_t, sy_t, r_t, e_t, log2_sx)
         gl.thread_barrier()  # every thread is done with this slot before the next iteration refills it
     async_copy.wait_group(0)
 
@@ -327,8 +342,6 @@ def _smem_cluster_kernel_v2(
 ):
     """Three slots: row i + 2 is in flight and pass 1 of row i + 1 runs while the cluster barrier of row i settles
     (split ``barrier.cluster.arrive`` / ``wait``); per-lane online statistics (one shared-memory pass for pass 1)."""
-    LN2: gl.constexpr = 0.6931471805599453
-    NEG_INF: gl.constexpr = float("-inf")
     R: gl.constexpr = 32 * NUM_WARPS
     TILE: gl.constexpr = R * K
     layout: gl.constexpr = gl.BlockedLayout([1, K], [32, 1], [NUM_WARPS, 1], [1, 0])
@@ -363,29 +376,7 @@ def _smem_cluster_kernel_v2(
                            C, NT, TILE, R, layout)
         _cluster_wait()
         row64 = row.to(gl.int64)
-        sb = stats_ptr + (row64 * C + goffs) * 8
-        mx_c = gl.load(sb + 0, cache_modifier=".cg")
-        sx_c = gl.load(sb + 1, cache_modifier=".cg")
-        my_c = gl.load(sb + 2, cache_modifier=".cg")
-        sy_c = gl.load(sb + 3, cache_modifier=".cg")
-        r_c = gl.load(sb + 4, cache_modifier=".cg")
-        e_c = gl.load(sb + 5, cache_modifier=".cg")
-        gx = gl.max(mx_c, 0)
-        gy = gl.max(my_c, 0)
-        gx = gl.where(gx == NEG_INF, 0.0, gx)
-        gy = gl.where(gy == NEG_INF, 0.0, gy)
-        live_x = sx_c != 0.0
-        live_y = sy_c != 0.0
-        f_x = gl.where(live_x, gl.exp2(mx_c - gx), 0.0)
-        f_y = gl.where(live_y, gl.exp2(my_c - gy), 0.0)
-        sx_t = gl.sum(gl.where(live_x, f_x * sx_c, 0.0), 0)
-        sy_t = gl.sum(gl.where(live_y, f_y * sy_c, 0.0), 0)
-        r_t = gl.sum(gl.where(live_x, f_x * (r_c + (mx_c - gx) * sx_c), 0.0), 0)
-        e_t = gl.sum(gl.where(live_x, f_x * e_c, 0.0), 0)
-        log2_sx = gl.log2(sx_t)
-        log2_sy = gl.log2(sy_t)
-        lp = gx + log2_sx
-        lq = gy + log2_sy
+        lp, lq, sx_t, sy_t, r_t, e_t, log2_sx = _combine_row(stats_ptr, row64, goffs, C)
         acc_abs = gl.zeros([R], gl.float32, lane_layout)
         acc_min = gl.zeros([R], gl.float32, lane_layout)
         for t in range(NT):
@@ -401,13 +392,7 @@ def _smem_cluster_kernel_v2(
         gl.store(pt + 0, t_abs)
         gl.store(pt + 1, t_min)
         if rank == 0:
-            status = gl.where(sx_t > 0.0, 0, 1) + gl.where(sy_t > 0.0, 0, 2)
-            entropy = LN2 * (log2_sx - r_t / sx_t)
-            kl = LN2 * gl.maximum(e_t / sx_t - lp + lq, 0.0)
-            kl = gl.where(e_t != e_t, float("inf"), kl)
-            gl.store(ce_ptr + row64, entropy + kl)
-            gl.store(kl_ptr + row64, kl)
-            gl.store(status_ptr + row64, status)
+            _write_row(ce_ptr, kl_ptr, status_ptr, row64, lp, lq, sx_t, sy_t, r_t, e_t, log2_sx)
         gl.thread_barrier()  # this slot is free: refill it with row it + 3
         _issue_row2(buf, slot, v_ptr, d_ptr, row + 3 * n_clusters, n_rows, stride_v, stride_d, c0, c1, offs2,
                     NT, TILE)
