@@ -9,7 +9,14 @@ Three designs, each a config string (``--configs``, comma-separated):
 * ``g:TILE:W:C:CLUSTERS`` persistent clusters holding their chunk in shared memory, filled by ``cp.async`` one row
   ahead (Gluon, ``benchmarks/probe_cluster_smem.py``; C = 0 / CLUSTERS = 0: chosen by the launcher);
 * ``h:K:W:C:CLUSTERS`` the same with three slots (two rows ahead), per-lane online statistics (one shared-memory pass
-  for pass 1; K columns per lane per tile) and pass 1 of the next row overlapping the current row's cluster barrier.
+  for pass 1; K columns per lane per tile) and pass 1 of the next row overlapping the current row's cluster barrier;
+* ``v:K:W:C:NSLOT:CLUSTERS`` g's loop with h's per-lane pass 1; NSLOT = 1 issues the next row's copy after pass 2, so
+  two CTAs fit per SM;
+* ``w:K:W:C:PER_SM`` v with one slot and only the tail tile masked (at most PER_SM CTAs per SM).
+
+Run ``j`` also timed a loss prototype with w's loop (``--loss-configs l:K:W:C:PER_SM``); it became the shipped
+``kernels/divergence_cluster.py`` and was removed from the probe. The shipped kernel's own measurements come from
+``benchmarks/probe_cluster_loss_rule.py`` and ``benchmarks/bench_divergence.py``.
 
 Each config is first checked against the float64 reference (``check ...`` lines of the log), then timed (CUDA-graph
 medians) against the shipped one-program-per-row kernel (``specdec_row``) and a device copy, in one process on one
@@ -39,6 +46,16 @@ def make(config: str):
     """The launcher of one config string (see the module doc)."""
     kind, *nums = config.split(':')
     nums = [int(x) for x in nums]
+    if kind == 'w':
+        from benchmarks.probe_cluster_smem import launch_smem_cluster_v4
+
+        return lambda a, b, t: launch_smem_cluster_v4(a, b, t, k=nums[0], num_warps=nums[1], cluster_size=nums[2],
+                                                      per_sm=nums[3])
+    if kind == 'v':
+        from benchmarks.probe_cluster_smem import launch_smem_cluster_v3
+
+        return lambda a, b, t: launch_smem_cluster_v3(a, b, t, k=nums[0], num_warps=nums[1], cluster_size=nums[2],
+                                                      nslot=nums[3], clusters=nums[4])
     if kind == 'h':
         from benchmarks.probe_cluster_smem import launch_smem_cluster_v2
 
@@ -70,7 +87,7 @@ def check(configs, log):
         b[2] = a[2]
         ref = divergence_reference(a, b, 0.8)
         for config in configs:
-            if config[0] in "gh" and v % 16:
+            if config[0] in "ghvw" and v % 16:
                 continue
             try:
                 out = make(config)(a, b, 0.8)
@@ -139,7 +156,7 @@ def main() -> None:
                 if cfg is not None:
                     compiled = fn()[5]
                     regs, spills = compiled.n_regs, compiled.n_spills
-                    if cfg[0] in "gh":
+                    if cfg[0] in "ghvw":
                         from benchmarks.probe_cluster_smem import LAST_CLUSTERS
 
                         spills = f"{spills} shared {compiled.metadata.shared} clusters {dict(LAST_CLUSTERS)}"

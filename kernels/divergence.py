@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from ._device import device_name, sm_count
+from ._device import device_name, major_capability, sm_count
+from .divergence_cluster import cluster_loss_eligible, launch_cluster_loss
 
 LOG2E = 1.4426950408889634
 
@@ -443,7 +444,7 @@ def _divergence_chunked_kernel(
 _DEFAULT_CONFIG: dict[str, int] = {"block": 0, "num_warps": 0, "programs_per_sm": 0, "programs": 0,
                                    "evict_last": 0, "interpret_block": 256, "pass1": 2, "stages1": 1, "stages2": 0,
                                    "split": 0, "chunk_tiles": 8, "spin": 1, "chunk_programs_per_sm": 0,
-                                   "interpret_chunk_tiles": 2}
+                                   "interpret_chunk_tiles": 2, "cluster": 1, "cluster_min_vocab": 0}
 _CONFIG: dict[str, int] = dict(_DEFAULT_CONFIG)
 MAX_SPIN = 1 << 20  # polls of a row counter (about a microsecond each) before a program gives up and poisons the row
 
@@ -464,7 +465,10 @@ def set_config(**overrides: int | None) -> dict[str, int]:
     (``split=0`` only: pass-1 loads ask L2 to keep the row), ``pass1`` (``split=0`` only: 0 = sums reduced per
     tile (version 1); 2 = one multi-operand reduction per tile, accumulating only the cross-entropy on the loss path,
     the default), ``stages1`` / ``stages2`` (``split=0`` only: ``tl.range`` software-pipelining stages of pass 1
-    (``pass1=2``) / of pass 2; 0 = by device).
+    (``pass1=2``) / of pass 2; 0 = by device), ``cluster`` (loss path on Hopper: 1 = the cluster kernel of
+    ``kernels/divergence_cluster.py`` where it applies, 0 = always the row kernel) and ``cluster_min_vocab`` (the
+    smallest vocabulary it is used for; 0: it was faster at every measured shape, 1024-16384 x 32000-151936 bf16 on
+    an H100, ``benchmarks/probe_cluster_loss_rule.py``).
     """
     previous = dict(_CONFIG)
     if not overrides:
@@ -595,6 +599,15 @@ def launch_divergence(
     mask, task_ids, weights = (t.contiguous() if t is not None else None for t in (mask, task_ids, weights))
     n_rows, vocab = verifier_logits.shape
     device = verifier_logits.device
+    if (grad_out is not None and not compute_tv and _CONFIG["cluster"] and not _CONFIG["split"]
+            and device.type == "cuda"
+            and cluster_loss_eligible(verifier_logits, drafter_logits, grad_out, major_capability(device),
+                                      _CONFIG["cluster_min_vocab"])):
+        out = launch_cluster_loss(verifier_logits, drafter_logits, temperature, grad_out, mask=mask,
+                                  weights=weights, grad_scale=grad_scale, grad_count=grad_count)
+        if out is not None:
+            ce, status = out
+            return ce, None, None, None, status, None
     f32 = dict(dtype=torch.float32, device=device)
     ce = torch.empty(n_rows, **f32)
     kl = torch.empty(n_rows, **f32) if compute_tv else None
