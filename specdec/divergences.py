@@ -270,7 +270,9 @@ def divergence_loss(
         0-dim loss: float32, or float64 for float64 logits on the torch path. On the Triton path the gradient is
         computed during the forward pass (one extra write of [N, V] in the drafter's dtype, no [N, V] float32
         intermediates) and scaled in place by the incoming gradient on the device, so one backward per graph: a
-        second backward through the same graph (``retain_graph=True``) raises RuntimeError.
+        second backward through the same graph (``retain_graph=True``) raises RuntimeError. On Hopper GPUs with
+        bf16/fp16 logits (V a multiple of 16) the kernel splits each row over a thread-block cluster and reads the
+        logits once (``kernels/divergence_cluster.py``); elsewhere one program per row reads them twice.
     """
     num_rows, _ = _check_logit_pair(drafter_logits, verifier_logits, "drafter_logits", "verifier_logits")
     temperature = check_temperature(temperature, allow_zero=False)
