@@ -444,7 +444,7 @@ def _divergence_chunked_kernel(
 _DEFAULT_CONFIG: dict[str, int] = {"block": 0, "num_warps": 0, "programs_per_sm": 0, "programs": 0,
                                    "evict_last": 0, "interpret_block": 256, "pass1": 2, "stages1": 1, "stages2": 0,
                                    "split": 0, "chunk_tiles": 8, "spin": 1, "chunk_programs_per_sm": 0,
-                                   "interpret_chunk_tiles": 2, "cluster": 1, "cluster_min_vocab": 0}
+                                   "interpret_chunk_tiles": 2, "cluster": 1, "cluster_min_vocab": 32000}
 _CONFIG: dict[str, int] = dict(_DEFAULT_CONFIG)
 MAX_SPIN = 1 << 20  # polls of a row counter (about a microsecond each) before a program gives up and poisons the row
 
@@ -467,8 +467,8 @@ def set_config(**overrides: int | None) -> dict[str, int]:
     the default), ``stages1`` / ``stages2`` (``split=0`` only: ``tl.range`` software-pipelining stages of pass 1
     (``pass1=2``) / of pass 2; 0 = by device), ``cluster`` (loss path on Hopper: 1 = the cluster kernel of
     ``kernels/divergence_cluster.py`` where it applies, 0 = always the row kernel) and ``cluster_min_vocab`` (the
-    smallest vocabulary it is used for; 0: it was faster at every measured shape, 1024-16384 x 32000-151936 bf16 on
-    an H100, ``benchmarks/probe_cluster_loss_rule.py``).
+    smallest vocabulary it is used for: 32000, the smallest measured; it was faster at every measured shape,
+    1024-16384 x 32000-151936 bf16 on an H100, ``benchmarks/probe_cluster_loss_rule.py``).
     """
     previous = dict(_CONFIG)
     if not overrides:

@@ -305,9 +305,9 @@ def _patch_cluster(compiled, cluster_size: int) -> None:
     ``packed_metadata = (num_warps, num_ctas, shared)`` and passes it to ``cuLaunchKernelEx`` as the cluster
     dimension (grid x ``num_ctas`` CTAs)."""
     packed = compiled.packed_metadata
-    if not (isinstance(packed, tuple) and len(packed) == 3 and packed[1] == 1):
+    if not (isinstance(packed, tuple) and len(packed) == 3 and packed[1] in (1, cluster_size)):
         raise RuntimeError(f"unexpected launch metadata {packed!r} (Triton {triton.__version__})")
-    compiled.packed_metadata = (packed[0], cluster_size, packed[2])
+    compiled.packed_metadata = (packed[0], cluster_size, packed[2])  # idempotent: Triton's cache may hand it back
 
 
 def launch_cluster_loss(verifier_logits: torch.Tensor, drafter_logits: torch.Tensor, temperature: float,
@@ -329,6 +329,11 @@ def launch_cluster_loss(verifier_logits: torch.Tensor, drafter_logits: torch.Ten
     if n_rows == 0:
         return ce, status
     stats = torch.empty(n_rows * c * 8, dtype=torch.float32, device=device)
+    # one compiled kernel per key: the side inputs always reach it as uint8 / float32 / float32
+    if mask is not None:
+        mask = (mask if mask.dtype == torch.uint8 else mask != 0).to(torch.uint8).contiguous()
+    weights = weights.to(torch.float32).contiguous() if weights is not None else None
+    grad_count = grad_count.to(torch.float32).reshape(1) if grad_count is not None else None
     flags = (mask is not None, weights is not None, grad_count is not None)
     constexprs = (*flags, c, nt, LANE_COLUMNS, NUM_WARPS)
     key = (device.index, verifier_logits.dtype, grad_out.dtype, *constexprs)
@@ -359,8 +364,14 @@ def launch_cluster_loss(verifier_logits: torch.Tensor, drafter_logits: torch.Ten
             return None
     compiled, fit = _COMPILED[key]
     n_clusters = min(n_rows, fit)
-    # the launcher takes every parameter in order, constexprs included (it skips them), as the JIT path passes them
-    compiled[(n_clusters, 1, 1)](*arguments(n_clusters), *constexprs)
+    try:
+        # the launcher takes every parameter in order, constexprs included (it skips them), as the JIT path does
+        compiled[(n_clusters, 1, 1)](*arguments(n_clusters), *constexprs)
+    except Exception as exc:  # noqa: BLE001 - a refused launch (cuLaunchKernelEx) falls back to the row kernel
+        _STATE["broken"] = True
+        warnings.warn(f"specdec: the cluster loss kernel could not be launched ({type(exc).__name__}: {exc}); using "
+                      "the one-program-per-row kernel", RuntimeWarning, stacklevel=3)
+        return None
     _STATE["launches"] += 1
     return ce, status
 

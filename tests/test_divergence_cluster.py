@@ -181,3 +181,47 @@ def test_fused_linear_loss_through_the_cluster_kernel(cluster_on) -> None:
     assert bool((h_grad[9] == 0).all())
     for got, want in zip(grads[1], grads[0], strict=True):  # the row kernel's path: the same bf16 gradients
         torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=1e-2 * float(want.float().abs().max()))
+
+
+@hopper_only
+@pytest.mark.parametrize("vocab", [16, 1024, 32000])
+def test_side_input_dtypes_small_vocabularies_and_bad_verifier_rows(cluster_on, vocab: int) -> None:
+    """Masks as bool / int32 / uint8 and weights as float64 / float16 / float32 give the same result (the kernel is
+    compiled once per key and always gets uint8 / float32); vocabularies down to 16 columns (V = 16: one CTA of the
+    pair has an empty chunk) match the row kernel; a NaN verifier row sets status bit 0."""
+    kdiv.set_config(cluster_min_vocab=0)
+    n = 40
+    v, d = _logits(n, vocab, 9, torch.bfloat16), _logits(n, vocab, 10, torch.bfloat16)
+    v[4, 0] = float("nan")
+    g = torch.Generator().manual_seed(11)
+    keep = torch.rand(n, generator=g) >= 0.25
+    keep[4] = True
+    weights = torch.rand(n, generator=g)
+    results = []
+    for mask, w in ((keep.to(torch.uint8), weights.float()), (keep, weights.double()),
+                    (keep.to(torch.int32), weights.half().float()), (keep.to(torch.int32), weights.half())):
+        launches = kc._STATE["launches"]
+        grad = torch.empty_like(d)
+        ce, _, _, _, status, _ = kdiv.launch_divergence(v, d, 1.3, mask=mask.cuda(), compute_tv=False,
+                                                        grad_out=grad, weights=w.cuda(), grad_scale=0.25)
+        assert kc._STATE["launches"] == launches + 1
+        results.append((ce, status, grad))
+    # a bool mask and float64 weights (rounded to float32 on the way in) against uint8 / float32
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(results[1][2], results[0][2], rtol=0, atol=0, equal_nan=True)
+    # float16 weights, passed as float16 or already widened to float32: the same
+    torch.testing.assert_close(results[3][2], results[2][2], rtol=0, atol=0, equal_nan=True)
+    assert int(results[0][1][4]) == 1 and torch.isnan(results[0][0][4])
+    kdiv.set_config(cluster=0)
+    grad_row = torch.empty_like(d)
+    ce_row, _, _, _, status_row, _ = kdiv.launch_divergence(v, d, 1.3, mask=keep.to(torch.uint8).cuda(),
+                                                            compute_tv=False, grad_out=grad_row,
+                                                            weights=weights.cuda(), grad_scale=0.25)
+    ce, status, grad = results[0]
+    assert torch.equal(status, status_row)
+    ok = torch.isfinite(ce_row)
+    torch.testing.assert_close(ce[ok], ce_row[ok], rtol=1e-5, atol=1e-5)
+    rows = ok & keep.cuda()
+    torch.testing.assert_close(grad[rows].float(), grad_row[rows].float(), rtol=0,
+                               atol=8e-3 * float(grad_row[rows].float().abs().max()))
+    assert bool((grad[~keep.cuda()] == 0).all())
