@@ -36,6 +36,37 @@ def _cluster_barrier():
 
 
 @triton.jit
+def _combine_chunks(stats_ptr, row64, goffs, C: tl.constexpr):
+    """After the barrier: the row's ``C`` chunk statistics ``(mx, sx, my, sy, r, e)`` of the ``[N, C, 8]`` scratch
+    combined into ``(Sx, Sy, R, E, log2 Sx, lp, lq)`` (base-2 log-normalisers ``lp``, ``lq``)."""
+    NEG_INF: tl.constexpr = float("-inf")
+    sb = stats_ptr + (row64 * C + goffs) * 8
+    mx_c = tl.load(sb + 0, cache_modifier=".cg")
+    sx_c = tl.load(sb + 1, cache_modifier=".cg")
+    my_c = tl.load(sb + 2, cache_modifier=".cg")
+    sy_c = tl.load(sb + 3, cache_modifier=".cg")
+    r_c = tl.load(sb + 4, cache_modifier=".cg")
+    e_c = tl.load(sb + 5, cache_modifier=".cg")
+    gx = tl.max(mx_c, 0)
+    gy = tl.max(my_c, 0)
+    gx = tl.where(gx == NEG_INF, 0.0, gx)
+    gy = tl.where(gy == NEG_INF, 0.0, gy)
+    live_x = sx_c != 0.0
+    live_y = sy_c != 0.0
+    f_x = tl.where(live_x, tl.exp2(mx_c - gx), 0.0)
+    f_y = tl.where(live_y, tl.exp2(my_c - gy), 0.0)
+    sx_t = tl.sum(tl.where(live_x, f_x * sx_c, 0.0), 0)
+    sy_t = tl.sum(tl.where(live_y, f_y * sy_c, 0.0), 0)
+    r_t = tl.sum(tl.where(live_x, f_x * (r_c + (mx_c - gx) * sx_c), 0.0), 0)
+    e_t = tl.sum(tl.where(live_x, f_x * e_c, 0.0), 0)
+    log2_sx = tl.log2(sx_t)
+    log2_sy = tl.log2(sy_t)
+    lp = gx + log2_sx
+    lq = gy + log2_sy
+    return sx_t, sy_t, r_t, e_t, log2_sx, lp, lq
+
+
+@triton.jit
 def _cluster_divergence_kernel(
     v_ptr, d_ptr, stride_v, stride_d,
     stats_ptr, part_ptr,
@@ -92,32 +123,9 @@ def _cluster_divergence_kernel(
     tl.store(st + 6, n_bad.to(tl.float32))
     _cluster_barrier()
     goffs = tl.arange(0, C)
-    sb = stats_ptr + (row64 * C + goffs) * 8
-    mx_c = tl.load(sb + 0, cache_modifier=".cg")
-    sx_c = tl.load(sb + 1, cache_modifier=".cg")
-    my_c = tl.load(sb + 2, cache_modifier=".cg")
-    sy_c = tl.load(sb + 3, cache_modifier=".cg")
-    r_c = tl.load(sb + 4, cache_modifier=".cg")
-    e_c = tl.load(sb + 5, cache_modifier=".cg")
-    nb_c = tl.load(sb + 6, cache_modifier=".cg")
-    gx = tl.max(mx_c, 0)
-    gy = tl.max(my_c, 0)
-    gx = tl.where(gx == NEG_INF, 0.0, gx)
-    gy = tl.where(gy == NEG_INF, 0.0, gy)
-    live_x = sx_c != 0.0
-    live_y = sy_c != 0.0
-    f_x = tl.where(live_x, tl.exp2(mx_c - gx), 0.0)
-    f_y = tl.where(live_y, tl.exp2(my_c - gy), 0.0)
-    sx_t = tl.sum(tl.where(live_x, f_x * sx_c, 0.0), 0)
-    sy_t = tl.sum(tl.where(live_y, f_y * sy_c, 0.0), 0)
-    r_t = tl.sum(tl.where(live_x, f_x * (r_c + (mx_c - gx) * sx_c), 0.0), 0)
-    e_t = tl.sum(tl.where(live_x, f_x * e_c, 0.0), 0)
-    nb_t = tl.sum(nb_c, 0)
+    sx_t, sy_t, r_t, e_t, log2_sx, lp, lq = _combine_chunks(stats_ptr, row64, goffs, C)
+    nb_t = tl.sum(tl.load(stats_ptr + (row64 * C + goffs) * 8 + 6, cache_modifier=".cg"), 0)
     status = tl.where(sx_t > 0.0, 0, 1) + tl.where(sy_t > 0.0, 0, 2)
-    log2_sx = tl.log2(sx_t)
-    log2_sy = tl.log2(sy_t)
-    lp = gx + log2_sx
-    lq = gy + log2_sy
     if HOLD_RAW:
         # recompute from the raw logits (a second scale argument keeps the compiler from reusing the float32
         # values of pass 1, so only the 16-bit loads stay live across the barrier)
@@ -254,29 +262,7 @@ def _cluster_stream_kernel(
         tl.store(st + 4, r)
         tl.store(st + 5, e)
         _cluster_barrier()
-        sb = stats_ptr + (row64 * C + goffs) * 8
-        mx_c = tl.load(sb + 0, cache_modifier=".cg")
-        sx_c = tl.load(sb + 1, cache_modifier=".cg")
-        my_c = tl.load(sb + 2, cache_modifier=".cg")
-        sy_c = tl.load(sb + 3, cache_modifier=".cg")
-        r_c = tl.load(sb + 4, cache_modifier=".cg")
-        e_c = tl.load(sb + 5, cache_modifier=".cg")
-        gx = tl.max(mx_c, 0)
-        gy = tl.max(my_c, 0)
-        gx = tl.where(gx == NEG_INF, 0.0, gx)
-        gy = tl.where(gy == NEG_INF, 0.0, gy)
-        live_x = sx_c != 0.0
-        live_y = sy_c != 0.0
-        f_x = tl.where(live_x, tl.exp2(mx_c - gx), 0.0)
-        f_y = tl.where(live_y, tl.exp2(my_c - gy), 0.0)
-        sx_t = tl.sum(tl.where(live_x, f_x * sx_c, 0.0), 0)
-        sy_t = tl.sum(tl.where(live_y, f_y * sy_c, 0.0), 0)
-        r_t = tl.sum(tl.where(live_x, f_x * (r_c + (mx_c - gx) * sx_c), 0.0), 0)
-        e_t = tl.sum(tl.where(live_x, f_x * e_c, 0.0), 0)
-        log2_sx = tl.log2(sx_t)
-        log2_sy = tl.log2(sy_t)
-        lp = gx + log2_sx
-        lq = gy + log2_sy
+        sx_t, sy_t, r_t, e_t, log2_sx, lp, lq = _combine_chunks(stats_ptr, row64, goffs, C)
         acc_abs = tl.zeros([BLOCK], dtype=tl.float32)
         acc_min = tl.zeros([BLOCK], dtype=tl.float32)
         for i in tl.range(0, n_ct, num_stages=STAGES):

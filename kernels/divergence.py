@@ -600,7 +600,6 @@ def launch_divergence(
     n_rows, vocab = verifier_logits.shape
     device = verifier_logits.device
     if (grad_out is not None and not compute_tv and _CONFIG["cluster"] and not _CONFIG["split"]
-            and device.type == "cuda"
             and cluster_loss_eligible(verifier_logits, drafter_logits, grad_out, major_capability(device),
                                       _CONFIG["cluster_min_vocab"])):
         out = launch_cluster_loss(verifier_logits, drafter_logits, temperature, grad_out, mask=mask,

@@ -257,6 +257,8 @@ if HAVE_GLUON:
         async_copy.wait_group(0)
 
 
+# "broken": the path is off for the process after a failure; "launches": kernel launches so far (tests check which
+# path ran)
 _STATE = {"broken": False, "launches": 0}
 # (device, dtypes, flags, C, NT) -> (compiled kernel patched to launch as clusters, clusters that fit at once)
 _COMPILED: dict[tuple, tuple] = {}
@@ -283,7 +285,7 @@ def cluster_loss_supported(verifier_dtype: torch.dtype, drafter_dtype: torch.dty
         return False
     if vocab < min_vocab or vocab % 16 or not aligned:
         return False
-    return cluster_loss_layout(vocab, torch.empty((), dtype=verifier_dtype).element_size()) is not None
+    return cluster_loss_layout(vocab, 2) is not None  # 2 bytes: bf16 / fp16
 
 
 def cluster_loss_eligible(verifier_logits: torch.Tensor, drafter_logits: torch.Tensor, grad_out: torch.Tensor,
@@ -308,6 +310,13 @@ def _patch_cluster(compiled, cluster_size: int) -> None:
     if not (isinstance(packed, tuple) and len(packed) == 3 and packed[1] in (1, cluster_size)):
         raise RuntimeError(f"unexpected launch metadata {packed!r} (Triton {triton.__version__})")
     compiled.packed_metadata = (packed[0], cluster_size, packed[2])  # idempotent: Triton's cache may hand it back
+
+
+def _give_up(what: str, exc: Exception) -> None:
+    """Turn the cluster path off for the process, with a warning; the caller falls back to the row kernel."""
+    _STATE["broken"] = True
+    warnings.warn(f"specdec: the cluster loss kernel {what} ({type(exc).__name__}: {exc}); using the "
+                  "one-program-per-row kernel", RuntimeWarning, stacklevel=4)
 
 
 def launch_cluster_loss(verifier_logits: torch.Tensor, drafter_logits: torch.Tensor, temperature: float,
@@ -358,9 +367,7 @@ def launch_cluster_loss(verifier_logits: torch.Tensor, drafter_logits: torch.Ten
             _patch_cluster(compiled, c)
             _COMPILED[key] = (compiled, fit)
         except Exception as exc:  # noqa: BLE001 - any failure here falls back to the row kernel
-            _STATE["broken"] = True
-            warnings.warn(f"specdec: the cluster loss kernel is unavailable ({type(exc).__name__}: {exc}); using "
-                          "the one-program-per-row kernel", RuntimeWarning, stacklevel=3)
+            _give_up("is unavailable", exc)
             return None
     compiled, fit = _COMPILED[key]
     n_clusters = min(n_rows, fit)
@@ -368,9 +375,7 @@ def launch_cluster_loss(verifier_logits: torch.Tensor, drafter_logits: torch.Ten
         # the launcher takes every parameter in order, constexprs included (it skips them), as the JIT path does
         compiled[(n_clusters, 1, 1)](*arguments(n_clusters), *constexprs)
     except Exception as exc:  # noqa: BLE001 - a refused launch (cuLaunchKernelEx) falls back to the row kernel
-        _STATE["broken"] = True
-        warnings.warn(f"specdec: the cluster loss kernel could not be launched ({type(exc).__name__}: {exc}); using "
-                      "the one-program-per-row kernel", RuntimeWarning, stacklevel=3)
+        _give_up("could not be launched", exc)
         return None
     _STATE["launches"] += 1
     return ce, status
