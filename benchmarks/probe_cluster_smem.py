@@ -17,14 +17,14 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from kernels.divergence_cluster import _cluster_barrier, _exp2, _max2
+from kernels.divergence_cluster import _add2, _add4, _cluster_barrier, _exp2
 
 _PATCHED: set[int] = set()
 
 
 @gluon.jit
-def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
-    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+def _max2(a0, a1, b0, b1):
+    return gl.maximum(a0, b0), gl.maximum(a1, b1)
 
 
 @gluon.jit
@@ -390,11 +390,6 @@ def _smem_cluster_kernel_v2(
         _cluster_arrive()
     _cluster_wait()
     async_copy.wait_group(0)
-
-
-@gluon.jit
-def _add2(a0, a1, b0, b1):
-    return a0 + b0, a1 + b1
 
 
 LAST_CLUSTERS: dict[str, int] = {}

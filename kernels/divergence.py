@@ -32,7 +32,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from ._device import device_name, major_capability, sm_count
-from .divergence_cluster import cluster_loss_eligible, launch_cluster_loss
+from .divergence_cluster import cluster_eligible, launch_cluster_forward, launch_cluster_loss
 
 LOG2E = 1.4426950408889634
 
@@ -444,7 +444,8 @@ def _divergence_chunked_kernel(
 _DEFAULT_CONFIG: dict[str, int] = {"block": 0, "num_warps": 0, "programs_per_sm": 0, "programs": 0,
                                    "evict_last": 0, "interpret_block": 256, "pass1": 2, "stages1": 1, "stages2": 0,
                                    "split": 0, "chunk_tiles": 8, "spin": 1, "chunk_programs_per_sm": 0,
-                                   "interpret_chunk_tiles": 2, "cluster": 1, "cluster_min_vocab": 32000}
+                                   "interpret_chunk_tiles": 2, "cluster": 1, "cluster_forward": 0,
+                                   "cluster_min_vocab": 32000}
 _CONFIG: dict[str, int] = dict(_DEFAULT_CONFIG)
 MAX_SPIN = 1 << 20  # polls of a row counter (about a microsecond each) before a program gives up and poisons the row
 
@@ -465,10 +466,10 @@ def set_config(**overrides: int | None) -> dict[str, int]:
     (``split=0`` only: pass-1 loads ask L2 to keep the row), ``pass1`` (``split=0`` only: 0 = sums reduced per
     tile (version 1); 2 = one multi-operand reduction per tile, accumulating only the cross-entropy on the loss path,
     the default), ``stages1`` / ``stages2`` (``split=0`` only: ``tl.range`` software-pipelining stages of pass 1
-    (``pass1=2``) / of pass 2; 0 = by device), ``cluster`` (loss path on Hopper: 1 = the cluster kernel of
-    ``kernels/divergence_cluster.py`` where it applies, 0 = always the row kernel) and ``cluster_min_vocab`` (the
-    smallest vocabulary it is used for: 32000, the smallest measured; it was faster at every measured shape,
-    1024-16384 x 32000-151936 bf16 on an H100, ``benchmarks/probe_cluster_loss_rule.py``).
+    (``pass1=2``) / of pass 2; 0 = by device), ``cluster`` (Hopper: 1 = the cluster kernels of
+    ``kernels/divergence_cluster.py`` where they apply, 0 = always the row kernel), ``cluster_forward`` (1 = the
+    forward too, 0 = the loss only) and ``cluster_min_vocab`` (the smallest vocabulary they are used for: 32000, the
+    smallest measured; NOTES_divergence.md, "Session 13").
     """
     previous = dict(_CONFIG)
     if not overrides:
@@ -599,14 +600,21 @@ def launch_divergence(
     mask, task_ids, weights = (t.contiguous() if t is not None else None for t in (mask, task_ids, weights))
     n_rows, vocab = verifier_logits.shape
     device = verifier_logits.device
-    if (grad_out is not None and not compute_tv and _CONFIG["cluster"] and not _CONFIG["split"]
-            and cluster_loss_eligible(verifier_logits, drafter_logits, grad_out, major_capability(device),
-                                      _CONFIG["cluster_min_vocab"])):
-        out = launch_cluster_loss(verifier_logits, drafter_logits, temperature, grad_out, mask=mask,
-                                  weights=weights, grad_scale=grad_scale, grad_count=grad_count)
-        if out is not None:
-            ce, status = out
-            return ce, None, None, None, status, None
+    if (_CONFIG["cluster"] and not _CONFIG["split"] and (grad_out is None) == compute_tv
+            and (grad_out is not None or _CONFIG["cluster_forward"])
+            and cluster_eligible(verifier_logits, drafter_logits, grad_out, major_capability(device),
+                                 _CONFIG["cluster_min_vocab"])):
+        if grad_out is not None:
+            out = launch_cluster_loss(verifier_logits, drafter_logits, temperature, grad_out, mask=mask,
+                                      weights=weights, grad_scale=grad_scale, grad_count=grad_count)
+            if out is not None:
+                ce, status = out
+                return ce, None, None, None, status, None
+        else:
+            out = launch_cluster_forward(verifier_logits, drafter_logits, temperature, mask=mask, task_ids=task_ids,
+                                         num_tasks=num_tasks)
+            if out is not None:
+                return out
     f32 = dict(dtype=torch.float32, device=device)
     ce = torch.empty(n_rows, **f32)
     kl = torch.empty(n_rows, **f32) if compute_tv else None

@@ -1,4 +1,4 @@
-"""Cluster loss kernel: H(p, q) per row and its drafter-logit gradient, each logit read from DRAM once (Hopper).
+"""Cluster kernels (Hopper): the divergence forward and the loss with its gradient, each logit read from DRAM once.
 
 The one-program-per-row loss (``kernels/divergence.py``) must read every row twice: pass 1 needs the whole row
 before pass 2 can write ``(q - p)``, and a 608 KB row pair (V = 151936, bf16) does not stay in L2 while 1000+ rows
@@ -38,7 +38,6 @@ import triton
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the Triton build
@@ -68,12 +67,12 @@ if HAVE_GLUON:
             "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _max2(a0, a1, b0, b1):
-        return gl.maximum(a0, b0), gl.maximum(a1, b1)
+    def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
+        return a0 + b0, a1 + b1, a2 + b2, a3 + b3
 
     @gluon.jit
-    def _add3(a0, a1, a2, b0, b1, b2):
-        return a0 + b0, a1 + b1, a2 + b2
+    def _add2(a0, a1, b0, b1):
+        return a0 + b0, a1 + b1
 
     @gluon.jit
     def _row_kept(mask_ptr, row, n_rows, HAS_MASK: gl.constexpr):
@@ -82,160 +81,345 @@ if HAVE_GLUON:
             keep = keep & (gl.load(mask_ptr + row, mask=row < n_rows, other=0) != 0)
         return keep
 
-    @gluon.jit
-    def _issue_row(buf, v_ptr, d_ptr, row, keep, stride_v, stride_d, c0, c1, offs2,
-                   NT: gl.constexpr, TILE_: gl.constexpr):
-        """``cp.async`` of this CTA's chunk of both rows into ``buf`` (one commit group, empty when not ``keep``)."""
-        row64 = row.to(gl.int64)
-        v_row = v_ptr + row64 * stride_v
-        d_row = d_ptr + row64 * stride_d
-        for t in gl.static_range(NT):
-            cols = c0 + t * TILE_ + offs2
-            inb = gl.max_constancy((cols < c1) & keep, [1, 8])
-            async_copy.async_copy_global_to_shared(buf.index(t), v_row + cols, mask=inb, cache_modifier=".cg")
-            async_copy.async_copy_global_to_shared(buf.index(NT + t), d_row + cols, mask=inb, cache_modifier=".cg")
-        async_copy.commit_group()
+    # The row chunks live in a shared-memory region of this module's own (after the compiler's scratch, at byte
+    # ``region`` of the dynamic shared memory; ``_launch`` sizes it) and are reached through inline PTX: the
+    # compiler's shared-memory analysis cannot see that every thread copies and reads only its own 16-byte pieces,
+    # and would put a CTA-wide barrier before every copy and every read. Piece ``(input, tile, lane)`` (input 0 =
+    # verifier, 1 = drafter) holds the lane's ``K = 8`` contiguous columns of that tile at byte
+    # ``region + ((input * NT + tile) * R + lane) * 16``.
 
     @gluon.jit
-    def _load_tile(buf, t, c0, c1, offs2, scale2, MASKED: gl.constexpr, NT: gl.constexpr, TILE_: gl.constexpr,
-                   layout: gl.constexpr):
-        x = buf.index(t).load(layout).to(gl.float32) * scale2
-        y = buf.index(NT + t).load(layout).to(gl.float32) * scale2
+    def _smem_base():
+        """Byte address (shared window) of the dynamic shared memory."""
+        return gl.inline_asm_elementwise("mov.u32 $0, global_smem;", "=r", [], dtype=gl.int32, is_pure=True,
+                                         pack=1)
+
+    @gluon.jit
+    def _copy_piece(smem_addr, src, live):
+        """``cp.async`` of 16 bytes per lane from ``src`` to ``smem_addr`` ([R] each); zero-filled, nothing read,
+        where not ``live``."""
+        gl.inline_asm_elementwise(
+            "cp.async.cg.shared.global [$1], [$2], 16, $3;\n\tmov.u32 $0, 0;", "=r,r,l,r",
+            [smem_addr, src, gl.where(live, 16, 0)], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _commit():
+        gl.inline_asm_elementwise("cp.async.commit_group;\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _wait(N: gl.constexpr):
+        """``cp.async.wait_group N``: at most ``N`` of this thread's newest commit groups still in flight."""
+        gl.static_assert(N < 16, "at most 16 tiles per chunk")
+        if N == 0:
+            asm: gl.constexpr = "cp.async.wait_group 0;"
+        elif N == 1:
+            asm: gl.constexpr = "cp.async.wait_group 1;"
+        elif N == 2:
+            asm: gl.constexpr = "cp.async.wait_group 2;"
+        elif N == 3:
+            asm: gl.constexpr = "cp.async.wait_group 3;"
+        elif N == 4:
+            asm: gl.constexpr = "cp.async.wait_group 4;"
+        elif N == 5:
+            asm: gl.constexpr = "cp.async.wait_group 5;"
+        elif N == 6:
+            asm: gl.constexpr = "cp.async.wait_group 6;"
+        elif N == 7:
+            asm: gl.constexpr = "cp.async.wait_group 7;"
+        elif N == 8:
+            asm: gl.constexpr = "cp.async.wait_group 8;"
+        elif N == 9:
+            asm: gl.constexpr = "cp.async.wait_group 9;"
+        elif N == 10:
+            asm: gl.constexpr = "cp.async.wait_group 10;"
+        elif N == 11:
+            asm: gl.constexpr = "cp.async.wait_group 11;"
+        elif N == 12:
+            asm: gl.constexpr = "cp.async.wait_group 12;"
+        elif N == 13:
+            asm: gl.constexpr = "cp.async.wait_group 13;"
+        elif N == 14:
+            asm: gl.constexpr = "cp.async.wait_group 14;"
+        else:
+            asm: gl.constexpr = "cp.async.wait_group 15;"
+        gl.inline_asm_elementwise(asm + "\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _issue_tile(piece, t, v_row, d_row, cols, live, NT: gl.constexpr, R: gl.constexpr):
+        """Tile ``t`` of both rows (``v_row``, ``d_row``: row pointers; ``cols`` [R]: each lane's first column,
+        ``live`` [R]) as one commit group; ``piece`` [R]: each lane's byte address of piece (0, 0, lane)."""
+        _copy_piece(piece + t * (R * 16), v_row + cols, live)
+        _copy_piece(piece + (NT + t) * (R * 16), d_row + cols, live)
+        _commit()
+
+    @gluon.jit
+    def _issue_row(piece, v_ptr, d_ptr, row, keep, stride_v, stride_d, c0, c1, lane_cols, NT: gl.constexpr,
+                   TILE_: gl.constexpr, R: gl.constexpr):
+        """All ``NT`` tiles of ``row`` (``NT`` commit groups, empty copies when not ``keep``)."""
+        row64 = row.to(gl.int64)
+        for t in gl.static_range(NT):
+            cols = c0 + t * TILE_ + lane_cols
+            _issue_tile(piece, t, v_ptr + row64 * stride_v, d_ptr + row64 * stride_d, cols, (cols < c1) & keep, NT, R)
+
+    @gluon.jit
+    def _load_piece(addr2, dtype: gl.constexpr):
+        """This lane's 8 16-bit logits of one piece (``addr2`` [R, K]: the piece's address, broadcast over K), as
+        one ``ld.shared.v4``."""
+        return gl.inline_asm_elementwise("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r,r,r,r,r,r,r,r",
+                                         [addr2], dtype=dtype.value, is_pure=False, pack=8)
+
+    @gluon.jit
+    def _raw_tile(piece2, t, c0, c1, offs2, dtype: gl.constexpr, MASKED: gl.constexpr, NT: gl.constexpr,
+                  TILE_: gl.constexpr, R: gl.constexpr):
+        """Tile ``t`` of both chunks as unscaled float32 logits ([R, K]); -inf outside the chunk when ``MASKED``.
+        ``piece2``: each lane's address of piece (0, 0, lane), broadcast over K."""
+        rx = _load_piece(piece2 + t * (R * 16), dtype).to(gl.float32)
+        ry = _load_piece(piece2 + (NT + t) * (R * 16), dtype).to(gl.float32)
         if MASKED:
             inb = (c0 + t * TILE_ + offs2) < c1
-            x = gl.where(inb, x, float("-inf"))
-            y = gl.where(inb, y, float("-inf"))
-        return x, y
+            rx = gl.where(inb, rx, float("-inf"))
+            ry = gl.where(inb, ry, float("-inf"))
+        return rx, ry
 
     @gluon.jit
-    def _ce_tile(x, y, mx, my, sx, sy, tt):
-        """One [R, K] tile of per-lane online statistics: running maxima, normalisers and ``tt = sum wx (y - my)``
-        (entries with ``x = -inf`` left out; ``x`` finite where ``y = -inf`` makes ``tt`` -inf: H(p, q) = +inf)."""
+    def _stats_tile(rx, ry, scale2, mx, my, sx, sy, s3, s4, FORWARD: gl.constexpr, SAFE: gl.constexpr):
+        """One [R, K] tile of per-lane online statistics, base 2 (``x = rx * scale2``, ``y = ry * scale2``): maxima
+        ``mx, my``, normalisers ``sx = sum 2^(x - mx)``, ``sy = sum 2^(y - my)``, and with ``wx = 2^(x - mx)``
+        forward: ``s3 = sum wx (x - mx)``, ``s4 = sum wx (rx - ry)`` (unscaled); loss: ``s3 = sum wx (y - my)``.
+
+        ``SAFE`` leaves out entries with ``x = -inf`` (their products would be 0 * inf = NaN). Without it a lane's
+        sums turn NaN wherever ``x = -inf``; the caller then redoes the chunk with ``SAFE`` (``_lane_stats``), so the
+        common finite case pays no per-entry select. ``x`` finite where ``y = -inf`` makes the sums infinite (or NaN
+        where ``wx`` underflowed), i.e. H(p, q) = KL = +inf."""
         NEG_INF: gl.constexpr = float("-inf")
-        mx_new = gl.maximum(mx, gl.max(x, 1))
-        my_new = gl.maximum(my, gl.max(y, 1))
+        mx_new = gl.maximum(mx, gl.max(rx, 1) * scale2)
+        my_new = gl.maximum(my, gl.max(ry, 1) * scale2)
         mx_ref = gl.where(mx_new == NEG_INF, 0.0, mx_new)
         my_ref = gl.where(my_new == NEG_INF, 0.0, my_new)
         a = _exp2(mx - mx_ref)
         b = _exp2(my - my_ref)
-        shift_y = gl.where(my == NEG_INF, 0.0, my - my_ref)
-        wx = _exp2(x - gl.expand_dims(mx_ref, 1))
-        dy = y - gl.expand_dims(my_ref, 1)
-        wy = _exp2(dy)
-        tt = a * (tt + shift_y * sx) + gl.sum(gl.where(x > NEG_INF, wx * dy, 0.0), 1)
+        ex = rx * scale2 - gl.expand_dims(mx_ref, 1)
+        ey = ry * scale2 - gl.expand_dims(my_ref, 1)
+        wx = _exp2(ex)
+        wy = _exp2(ey)
+        if FORWARD:
+            shift = gl.where(mx == NEG_INF, 0.0, mx - mx_ref)
+            if SAFE:
+                fx = rx > NEG_INF
+                t3 = gl.sum(gl.where(fx, wx * ex, 0.0), 1)
+                t4 = gl.sum(gl.where(fx, wx * (rx - ry), 0.0), 1)
+            else:
+                t3 = gl.sum(wx * ex, 1)
+                t4 = gl.sum(wx * (rx - ry), 1)
+            s4 = a * s4 + t4
+        else:
+            shift = gl.where(my == NEG_INF, 0.0, my - my_ref)
+            if SAFE:
+                t3 = gl.sum(gl.where(rx > NEG_INF, wx * ey, 0.0), 1)
+            else:
+                t3 = gl.sum(wx * ey, 1)
+        s3 = a * (s3 + shift * sx) + t3
         sx = a * sx + gl.sum(wx, 1)
         sy = b * sy + gl.sum(wy, 1)
-        return mx_new, my_new, sx, sy, tt
+        return mx_new, my_new, sx, sy, s3, s4
 
     @gluon.jit
-    def _publish_chunk(st, mx, my, sx, sy, tt):
-        """Combine the lanes into the chunk's ``(mx, sx, my, sy, t)`` and store them at ``st``."""
+    def _lane_pass(piece2, c0, c1, offs2, scale2, dtype: gl.constexpr, FORWARD: gl.constexpr, NT: gl.constexpr,
+                   N_FULL: gl.constexpr, TILE_: gl.constexpr, R: gl.constexpr, layout: gl.constexpr):
+        """Per-lane statistics over the chunk in shared memory, unrolled: tile ``t`` waits only for its own copy
+        group (the copies of later tiles stay in flight while earlier tiles are reduced); tiles from ``N_FULL`` on
+        are masked and safe."""
         NEG_INF: gl.constexpr = float("-inf")
-        gmx, gmy = gl.reduce((mx, my), 0, _max2)
+        lane_layout: gl.constexpr = gl.SliceLayout(1, layout)
+        mx = gl.full([R], NEG_INF, gl.float32, lane_layout)
+        my = gl.full([R], NEG_INF, gl.float32, lane_layout)
+        sx = gl.zeros([R], gl.float32, lane_layout)
+        sy = gl.zeros([R], gl.float32, lane_layout)
+        s3 = gl.zeros([R], gl.float32, lane_layout)
+        s4 = gl.zeros([R], gl.float32, lane_layout)
+        for t in gl.static_range(NT):
+            _wait(NT - 1 - t)
+            rx, ry = _raw_tile(piece2, t, c0, c1, offs2, dtype, t >= N_FULL, NT, TILE_, R)
+            mx, my, sx, sy, s3, s4 = _stats_tile(rx, ry, scale2, mx, my, sx, sy, s3, s4, FORWARD, t >= N_FULL)
+        return mx, my, sx, sy, s3, s4
+
+    @gluon.jit
+    def _lane_pass_safe(piece2, c0, c1, offs2, scale2, dtype: gl.constexpr, FORWARD: gl.constexpr,
+                        NT: gl.constexpr, TILE_: gl.constexpr, R: gl.constexpr, layout: gl.constexpr):
+        """``_lane_pass`` with the safe tile everywhere, as a loop (the rare path: its code stays small)."""
+        NEG_INF: gl.constexpr = float("-inf")
+        lane_layout: gl.constexpr = gl.SliceLayout(1, layout)
+        mx = gl.full([R], NEG_INF, gl.float32, lane_layout)
+        my = gl.full([R], NEG_INF, gl.float32, lane_layout)
+        sx = gl.zeros([R], gl.float32, lane_layout)
+        sy = gl.zeros([R], gl.float32, lane_layout)
+        s3 = gl.zeros([R], gl.float32, lane_layout)
+        s4 = gl.zeros([R], gl.float32, lane_layout)
+        for t in range(0, NT):
+            rx, ry = _raw_tile(piece2, t, c0, c1, offs2, dtype, True, NT, TILE_, R)
+            mx, my, sx, sy, s3, s4 = _stats_tile(rx, ry, scale2, mx, my, sx, sy, s3, s4, FORWARD, True)
+        return mx, my, sx, sy, s3, s4
+
+    @gluon.jit
+    def _lane_stats(piece2, c0, c1, offs2, scale2, dtype: gl.constexpr, FORWARD: gl.constexpr, NT: gl.constexpr,
+                    N_FULL: gl.constexpr, TILE_: gl.constexpr, R: gl.constexpr, layout: gl.constexpr):
+        """Per-lane statistics of the chunk, and whether any lane's sums are NaN (``bad``). The fast pass runs first;
+        a chunk with a NaN sum (an ``x = -inf`` entry, or a NaN logit) is redone with the safe tile."""
+        mx, my, sx, sy, s3, s4 = _lane_pass(piece2, c0, c1, offs2, scale2, dtype, FORWARD, NT, N_FULL, TILE_, R,
+                                            layout)
+        if FORWARD:
+            nan = (s3 != s3) | (s4 != s4)
+        else:
+            nan = s3 != s3
+        if gl.max(nan.to(gl.int32), 0) != 0:
+            mx, my, sx, sy, s3, s4 = _lane_pass_safe(piece2, c0, c1, offs2, scale2, dtype, FORWARD, NT, TILE_, R,
+                                                     layout)
+        return mx, my, sx, sy, s3, s4
+
+    @gluon.jit
+    def _publish_chunk(st, mx, my, sx, sy, s3, s4, FORWARD: gl.constexpr):
+        """Combine the lanes into the chunk's ``(mx, sx, my, sy, s3, s4)`` and store them at ``st``. ``s3`` is
+        relative to the x maximum (forward) or the y maximum (loss); ``s4`` only rescales."""
+        NEG_INF: gl.constexpr = float("-inf")
+        gmx = gl.max(mx, 0)
+        gmy = gl.max(my, 0)
         gmx_ref = gl.where(gmx == NEG_INF, 0.0, gmx)
         gmy_ref = gl.where(gmy == NEG_INF, 0.0, gmy)
         live_x = sx != 0.0
         live_y = sy != 0.0
         f_x = gl.where(live_x, _exp2(mx - gmx_ref), 0.0)
         f_y = gl.where(live_y, _exp2(my - gmy_ref), 0.0)
-        shift_y = gl.where(my == NEG_INF, 0.0, my - gmy_ref)
-        c_sx, c_sy, c_t = gl.reduce(
+        if FORWARD:
+            shift = mx - gmx_ref
+        else:
+            shift = gl.where(my == NEG_INF, 0.0, my - gmy_ref)
+        c_sx, c_sy, c_3, c_4 = gl.reduce(
             (gl.where(live_x, f_x * sx, 0.0), gl.where(live_y, f_y * sy, 0.0),
-             gl.where(live_x, f_x * (tt + shift_y * sx), 0.0)), 0, _add3)
+             gl.where(live_x, f_x * (s3 + shift * sx), 0.0), gl.where(live_x, f_x * s4, 0.0)), 0, _add4)
         gl.store(st + 0, gmx)
         gl.store(st + 1, c_sx)
         gl.store(st + 2, gmy)
         gl.store(st + 3, c_sy)
-        gl.store(st + 4, c_t)
+        gl.store(st + 4, c_3)
+        gl.store(st + 5, c_4)
+
+    @gluon.jit
+    def _combine_row(sb, FORWARD: gl.constexpr):
+        """The row's statistics from its ``C`` chunks' (``sb``: [C] pointers to each chunk's 8 floats, read from L2
+        after the cluster barrier): ``(Mx, My, Sx, Sy, S3, S4)`` with ``S3`` relative to ``Mx`` (forward) / ``My``."""
+        NEG_INF: gl.constexpr = float("-inf")
+        mx_c = gl.load(sb + 0, cache_modifier=".cg")
+        sx_c = gl.load(sb + 1, cache_modifier=".cg")
+        my_c = gl.load(sb + 2, cache_modifier=".cg")
+        sy_c = gl.load(sb + 3, cache_modifier=".cg")
+        s3_c = gl.load(sb + 4, cache_modifier=".cg")
+        s4_c = gl.load(sb + 5, cache_modifier=".cg")
+        gx = gl.max(mx_c, 0)
+        gy = gl.max(my_c, 0)
+        gx = gl.where(gx == NEG_INF, 0.0, gx)
+        gy = gl.where(gy == NEG_INF, 0.0, gy)
+        live_x = sx_c != 0.0
+        live_y = sy_c != 0.0
+        f_x = gl.where(live_x, gl.exp2(mx_c - gx), 0.0)
+        f_y = gl.where(live_y, gl.exp2(my_c - gy), 0.0)
+        if FORWARD:
+            shift = gl.where(live_x, mx_c - gx, 0.0)
+        else:
+            shift = gl.where(my_c == NEG_INF, 0.0, my_c - gy)
+        sx_t = gl.sum(gl.where(live_x, f_x * sx_c, 0.0), 0)
+        sy_t = gl.sum(gl.where(live_y, f_y * sy_c, 0.0), 0)
+        s3_t = gl.sum(gl.where(live_x, f_x * (s3_c + shift * sx_c), 0.0), 0)
+        s4_t = gl.sum(gl.where(live_x, f_x * s4_c, 0.0), 0)
+        return gx, gy, sx_t, sy_t, s3_t, s4_t
+
+    @gluon.jit
+    def _finish_forward(row64, ce, kl, part_ptr, tv_ptr, alpha_ptr, task_ptr, task_ce_ptr, task_kl_ptr,
+                        task_tv_ptr, task_alpha_ptr, task_count_ptr, goffs, C: gl.constexpr,
+                        HAS_TASKS: gl.constexpr):
+        """TV and alpha of ``row64`` from its ``C`` chunks' pass-2 sums (fixed order: deterministic), and the
+        per-task sums."""
+        pt = part_ptr + (row64 * C + goffs) * 2
+        tv = gl.minimum(gl.maximum(0.5 * gl.sum(gl.load(pt + 0, cache_modifier=".cg"), 0), 0.0), 1.0)
+        alpha = gl.minimum(gl.maximum(gl.sum(gl.load(pt + 1, cache_modifier=".cg"), 0), 0.0), 1.0)
+        gl.store(tv_ptr + row64, tv)
+        gl.store(alpha_ptr + row64, alpha)
+        if HAS_TASKS:
+            task = gl.load(task_ptr + row64).to(gl.int64)
+            if task >= 0:
+                gl.atomic_add(task_ce_ptr + task, ce.to(gl.float64))
+                gl.atomic_add(task_kl_ptr + task, kl.to(gl.float64))
+                gl.atomic_add(task_tv_ptr + task, tv.to(gl.float64))
+                gl.atomic_add(task_alpha_ptr + task, alpha.to(gl.float64))
+                gl.atomic_add(task_count_ptr + task, 1)
 
     # n_rows and n_clusters change from call to call; mask / weight / count may be views at any offset: none of them
     # specialises the kernel, so one compiled kernel per (dtypes, flags, layout) serves every call (see _COMPILED)
-    @gluon.jit(do_not_specialize=["n_rows", "n_clusters"],
+    @gluon.jit(do_not_specialize=["n_rows", "n_clusters", "region"],
                do_not_specialize_on_alignment=["mask_ptr", "weight_ptr", "count_ptr"])
     def _cluster_loss_kernel(
         v_ptr, d_ptr, g_ptr, stride_v, stride_d, stride_g,
         mask_ptr, weight_ptr, count_ptr, stats_ptr, ce_ptr, status_ptr,
-        n_rows, vocab, chunk_cols, n_clusters, scale2, grad_scale,
+        n_rows, vocab, chunk_cols, n_clusters, region, scale2, grad_scale,
         HAS_MASK: gl.constexpr, HAS_WEIGHTS: gl.constexpr, HAS_COUNT: gl.constexpr,
-        C: gl.constexpr, NT: gl.constexpr, K: gl.constexpr, WARPS: gl.constexpr,
+        C: gl.constexpr, NT: gl.constexpr, N_FULL: gl.constexpr, K: gl.constexpr, WARPS: gl.constexpr,
     ):
         LN2: gl.constexpr = 0.6931471805599453
-        NEG_INF: gl.constexpr = float("-inf")
         R: gl.constexpr = 32 * WARPS
         TILE_: gl.constexpr = R * K
         layout: gl.constexpr = gl.BlockedLayout([1, K], [32, 1], [WARPS, 1], [1, 0])
         lane_layout: gl.constexpr = gl.SliceLayout(1, layout)
         small: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-        smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        buf = gl.allocate_shared_memory(v_ptr.dtype.element_ty, [2 * NT, R, K], smem_layout)
+        dtype: gl.constexpr = v_ptr.dtype.element_ty
         pid = gl.program_id(0)
         cid = pid // C
         rank = pid % C
         c0 = rank * chunk_cols
         c1 = gl.minimum(c0 + chunk_cols, vocab)
-        n_full = gl.maximum(c1 - c0, 0) // TILE_
         lanes = gl.arange(0, R, layout=lane_layout)
         ks = gl.arange(0, K, layout=gl.SliceLayout(0, layout))
         offs2 = gl.expand_dims(lanes, 1) * K + gl.expand_dims(ks, 0)
+        lane_cols = lanes * K
+        piece = _smem_base() + region + lanes * 16
+        piece2 = gl.expand_dims(piece, 1) + gl.zeros([R, K], gl.int32, layout)
         goffs = gl.arange(0, C, layout=small)
         w_base = grad_scale
         if HAS_COUNT:  # "mean" over a mask: 1 / max(count, 1), counted on the device (no host sync)
             w_base = w_base / gl.maximum(gl.load(count_ptr), 1.0)
         n_mine = gl.cdiv(n_rows - cid, n_clusters)
         keep = _row_kept(mask_ptr, cid, n_rows, HAS_MASK)
-        _issue_row(buf, v_ptr, d_ptr, cid, keep, stride_v, stride_d, c0, c1, offs2, NT, TILE_)
+        _issue_row(piece, v_ptr, d_ptr, cid, keep, stride_v, stride_d, c0, c1, lane_cols, NT, TILE_, R)
         for it in range(0, n_mine):
             row = cid + it * n_clusters
             row64 = row.to(gl.int64)
             g_row = g_ptr + row64 * stride_g
-            async_copy.wait_group(0)
-            gl.thread_barrier()
+            nxt64 = (row + n_clusters).to(gl.int64)
+            keep_next = _row_kept(mask_ptr, row + n_clusters, n_rows, HAS_MASK)
+            v_next = v_ptr + nxt64 * stride_v
+            d_next = d_ptr + nxt64 * stride_d
             if keep:  # the same for every CTA of the cluster (one row), so the barrier below stays matched
-                mx = gl.full([R], NEG_INF, gl.float32, lane_layout)
-                my = gl.full([R], NEG_INF, gl.float32, lane_layout)
-                sx = gl.zeros([R], gl.float32, lane_layout)
-                sy = gl.zeros([R], gl.float32, lane_layout)
-                tt = gl.zeros([R], gl.float32, lane_layout)
-                for t in range(0, n_full):
-                    x, y = _load_tile(buf, t, c0, c1, offs2, scale2, False, NT, TILE_, layout)
-                    mx, my, sx, sy, tt = _ce_tile(x, y, mx, my, sx, sy, tt)
-                for t in range(n_full, NT):
-                    x, y = _load_tile(buf, t, c0, c1, offs2, scale2, True, NT, TILE_, layout)
-                    mx, my, sx, sy, tt = _ce_tile(x, y, mx, my, sx, sy, tt)
-                _publish_chunk(stats_ptr + (row64 * C + rank) * 8, mx, my, sx, sy, tt)
+                mx, my, sx, sy, tt, s4 = _lane_stats(piece2, c0, c1, offs2, scale2, dtype, False, NT, N_FULL, TILE_, R,
+                                                     layout)
+                _publish_chunk(stats_ptr + (row64 * C + rank) * 8, mx, my, sx, sy, tt, s4, False)
                 _cluster_barrier()
-                sb = stats_ptr + (row64 * C + goffs) * 8
-                mx_c = gl.load(sb + 0, cache_modifier=".cg")
-                sx_c = gl.load(sb + 1, cache_modifier=".cg")
-                my_c = gl.load(sb + 2, cache_modifier=".cg")
-                sy_c = gl.load(sb + 3, cache_modifier=".cg")
-                t_c = gl.load(sb + 4, cache_modifier=".cg")
-                gx = gl.max(mx_c, 0)
-                gy = gl.max(my_c, 0)
-                gx = gl.where(gx == NEG_INF, 0.0, gx)
-                gy = gl.where(gy == NEG_INF, 0.0, gy)
-                live_x = sx_c != 0.0
-                live_y = sy_c != 0.0
-                f_x = gl.where(live_x, gl.exp2(mx_c - gx), 0.0)
-                f_y = gl.where(live_y, gl.exp2(my_c - gy), 0.0)
-                sx_t = gl.sum(gl.where(live_x, f_x * sx_c, 0.0), 0)
-                sy_t = gl.sum(gl.where(live_y, f_y * sy_c, 0.0), 0)
-                shift_y = gl.where(my_c == NEG_INF, 0.0, my_c - gy)
-                t_t = gl.sum(gl.where(live_x, f_x * (t_c + shift_y * sx_c), 0.0), 0)
+                gx, gy, sx_t, sy_t, t_t, s4_t = _combine_row(stats_ptr + (row64 * C + goffs) * 8, False)
                 log2_sy = gl.log2(sy_t)
                 lp = gx + gl.log2(sx_t)
                 lq = gy + log2_sy
                 w = w_base
                 if HAS_WEIGHTS:
                     w = w * gl.load(weight_ptr + row64)
-                for t in range(0, NT):
-                    x, y = _load_tile(buf, t, c0, c1, offs2, scale2, False, NT, TILE_, layout)
-                    g = ((_exp2(y - lq) - _exp2(x - lp)) * w).to(g_ptr.dtype.element_ty)
+                # pass 2 from shared memory; each tile, once read, is refilled with the next row's copy
+                for t in gl.static_range(NT):
+                    rx, ry = _raw_tile(piece2, t, c0, c1, offs2, dtype, False, NT, TILE_, R)
+                    g = ((_exp2(ry * scale2 - lq) - _exp2(rx * scale2 - lp)) * w).to(g_ptr.dtype.element_ty)
                     cols = c0 + t * TILE_ + offs2
-                    if t < n_full:
+                    if t < N_FULL:
                         gl.store(g_row + cols, g)
                     else:
                         gl.store(g_row + cols, g, mask=cols < c1)
+                    _issue_tile(piece, t, v_next, d_next, c0 + t * TILE_ + lane_cols,
+                                (c0 + t * TILE_ + lane_cols < c1) & keep_next, NT, R)
                 if rank == 0:
                     ce = LN2 * (log2_sy - t_t / sx_t)
                     # a NaN sum over finite normalisers: an underflowed weight times an infinite difference (p > 0
@@ -244,40 +428,153 @@ if HAVE_GLUON:
                     gl.store(ce_ptr + row64, ce)
                     gl.store(status_ptr + row64, gl.where(sx_t > 0.0, 0, 1) + gl.where(sy_t > 0.0, 0, 2))
             else:
+                _wait(0)  # this row's (empty) copies land before the slot is refilled
                 zero = gl.zeros([R, K], g_ptr.dtype.element_ty, layout)
-                for t in range(0, NT):
+                for t in gl.static_range(NT):
                     cols = c0 + t * TILE_ + offs2
                     gl.store(g_row + cols, zero, mask=cols < c1)
+                    _issue_tile(piece, t, v_next, d_next, c0 + t * TILE_ + lane_cols,
+                                (c0 + t * TILE_ + lane_cols < c1) & keep_next, NT, R)
                 if rank == 0:
                     gl.store(ce_ptr + row64, 0.0)
                     gl.store(status_ptr + row64, 0)
-            gl.thread_barrier()  # every thread is done with the slot before it is refilled
-            keep = _row_kept(mask_ptr, row + n_clusters, n_rows, HAS_MASK)
-            _issue_row(buf, v_ptr, d_ptr, row + n_clusters, keep, stride_v, stride_d, c0, c1, offs2, NT, TILE_)
-        async_copy.wait_group(0)
+            keep = keep_next
+        _wait(0)
+
+    @gluon.jit(do_not_specialize=["n_rows", "n_clusters", "region"],
+               do_not_specialize_on_alignment=["mask_ptr", "task_ptr"])
+    def _cluster_forward_kernel(
+        v_ptr, d_ptr, stride_v, stride_d, mask_ptr, task_ptr, stats_ptr, part_ptr,
+        ce_ptr, kl_ptr, tv_ptr, alpha_ptr, status_ptr,
+        task_ce_ptr, task_kl_ptr, task_tv_ptr, task_alpha_ptr, task_count_ptr,
+        n_rows, vocab, chunk_cols, n_clusters, region, scale2,
+        HAS_MASK: gl.constexpr, HAS_TASKS: gl.constexpr,
+        C: gl.constexpr, NT: gl.constexpr, N_FULL: gl.constexpr, K: gl.constexpr, WARPS: gl.constexpr,
+    ):
+        LN2: gl.constexpr = 0.6931471805599453
+        R: gl.constexpr = 32 * WARPS
+        TILE_: gl.constexpr = R * K
+        layout: gl.constexpr = gl.BlockedLayout([1, K], [32, 1], [WARPS, 1], [1, 0])
+        lane_layout: gl.constexpr = gl.SliceLayout(1, layout)
+        small: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+        dtype: gl.constexpr = v_ptr.dtype.element_ty
+        pid = gl.program_id(0)
+        cid = pid // C
+        rank = pid % C
+        c0 = rank * chunk_cols
+        c1 = gl.minimum(c0 + chunk_cols, vocab)
+        lanes = gl.arange(0, R, layout=lane_layout)
+        ks = gl.arange(0, K, layout=gl.SliceLayout(0, layout))
+        offs2 = gl.expand_dims(lanes, 1) * K + gl.expand_dims(ks, 0)
+        lane_cols = lanes * K
+        piece = _smem_base() + region + lanes * 16
+        piece2 = gl.expand_dims(piece, 1) + gl.zeros([R, K], gl.int32, layout)
+        goffs = gl.arange(0, C, layout=small)
+        n_mine = gl.cdiv(n_rows - cid, n_clusters)
+        # TV and alpha of a row need every chunk's pass-2 sums: rank 0 adds them up after the next cluster barrier
+        pending = cid * 0 - 1
+        pending_ce = scale2 * 0.0
+        pending_kl = scale2 * 0.0
+        keep = _row_kept(mask_ptr, cid, n_rows, HAS_MASK)
+        _issue_row(piece, v_ptr, d_ptr, cid, keep, stride_v, stride_d, c0, c1, lane_cols, NT, TILE_, R)
+        for it in range(0, n_mine):
+            row = cid + it * n_clusters
+            row64 = row.to(gl.int64)
+            nxt64 = (row + n_clusters).to(gl.int64)
+            keep_next = _row_kept(mask_ptr, row + n_clusters, n_rows, HAS_MASK)
+            v_next = v_ptr + nxt64 * stride_v
+            d_next = d_ptr + nxt64 * stride_d
+            if keep:
+                mx, my, sx, sy, rr, ee = _lane_stats(piece2, c0, c1, offs2, scale2, dtype, True, NT, N_FULL, TILE_, R,
+                                                     layout)
+                _publish_chunk(stats_ptr + (row64 * C + rank) * 8, mx, my, sx, sy, rr, ee, True)
+                _cluster_barrier()
+                if rank == 0:
+                    if pending >= 0:
+                        _finish_forward(pending.to(gl.int64), pending_ce, pending_kl, part_ptr, tv_ptr, alpha_ptr,
+                                        task_ptr, task_ce_ptr, task_kl_ptr, task_tv_ptr, task_alpha_ptr,
+                                        task_count_ptr, goffs, C, HAS_TASKS)
+                gx, gy, sx_t, sy_t, r_t, e_t = _combine_row(stats_ptr + (row64 * C + goffs) * 8, True)
+                log2_sx = gl.log2(sx_t)
+                log2_sy = gl.log2(sy_t)
+                lp = gx + log2_sx
+                lq = gy + log2_sy
+                acc_abs = gl.zeros([R], gl.float32, lane_layout)
+                acc_min = gl.zeros([R], gl.float32, lane_layout)
+                for t in gl.static_range(NT):
+                    rx, ry = _raw_tile(piece2, t, c0, c1, offs2, dtype, False, NT, TILE_, R)
+                    px = _exp2(rx * scale2 - lp)
+                    qy = _exp2(ry * scale2 - lq)
+                    cols = c0 + t * TILE_ + offs2
+                    if t >= N_FULL:  # zero-filled copies outside the chunk
+                        px = gl.where(cols < c1, px, 0.0)
+                        qy = gl.where(cols < c1, qy, 0.0)
+                    acc_abs += gl.sum(gl.abs(px - qy), 1)
+                    acc_min += gl.sum(gl.minimum(px, qy), 1)
+                    _issue_tile(piece, t, v_next, d_next, c0 + t * TILE_ + lane_cols,
+                                (c0 + t * TILE_ + lane_cols < c1) & keep_next, NT, R)
+                t_abs, t_min = gl.reduce((acc_abs, acc_min), 0, _add2)
+                pt = part_ptr + (row64 * C + rank) * 2
+                gl.store(pt + 0, t_abs)
+                gl.store(pt + 1, t_min)
+                entropy = LN2 * (log2_sx - r_t / sx_t)
+                kl = LN2 * gl.maximum(e_t * scale2 / sx_t - lp + lq, 0.0)
+                # a NaN sum over finite normalisers: an underflowed weight times an infinite difference (p > 0
+                # where q = 0): KL = +inf
+                kl = gl.where((e_t != e_t) & (sx_t == sx_t) & (sy_t == sy_t), float("inf"), kl)
+                ce = entropy + kl
+                if rank == 0:
+                    gl.store(ce_ptr + row64, ce)
+                    gl.store(kl_ptr + row64, kl)
+                    gl.store(status_ptr + row64, gl.where(sx_t > 0.0, 0, 1) + gl.where(sy_t > 0.0, 0, 2))
+                pending = row
+                pending_ce = ce
+                pending_kl = kl
+            else:
+                _wait(0)  # this row's (empty) copies land before the slot is refilled
+                for t in gl.static_range(NT):
+                    cols = c0 + t * TILE_ + offs2
+                    _issue_tile(piece, t, v_next, d_next, c0 + t * TILE_ + lane_cols,
+                                (c0 + t * TILE_ + lane_cols < c1) & keep_next, NT, R)
+                if rank == 0:
+                    gl.store(ce_ptr + row64, 0.0)
+                    gl.store(kl_ptr + row64, 0.0)
+                    gl.store(tv_ptr + row64, 0.0)
+                    gl.store(alpha_ptr + row64, 0.0)
+                    gl.store(status_ptr + row64, 0)
+            keep = keep_next
+        _cluster_barrier()  # the last row's pass-2 sums are published
+        if rank == 0:
+            if pending >= 0:
+                _finish_forward(pending.to(gl.int64), pending_ce, pending_kl, part_ptr, tv_ptr, alpha_ptr, task_ptr,
+                                task_ce_ptr, task_kl_ptr, task_tv_ptr, task_alpha_ptr, task_count_ptr, goffs, C,
+                                HAS_TASKS)
+        _wait(0)
 
 
 # "broken": the path is off for the process after a failure; "launches": kernel launches so far (tests check which
 # path ran)
 _STATE = {"broken": False, "launches": 0}
-# (device, dtypes, flags, C, NT) -> (compiled kernel patched to launch as clusters, clusters that fit at once)
+# (kernel, device, dtypes, flags, layout) -> (compiled kernel patched to launch as clusters, clusters that fit at once)
 _COMPILED: dict[tuple, tuple] = {}
 
 
-def cluster_loss_layout(vocab: int, elem_bytes: int) -> tuple[int, int, int] | None:
-    """``(C, chunk_cols, NT)``: the smallest cluster whose chunk of both rows (``NT`` tiles of ``TILE`` columns, a
-    16-column aligned ``chunk_cols`` per CTA) fits ``SMEM_PER_CTA``; None when none does."""
+def cluster_layout(vocab: int, elem_bytes: int) -> tuple[int, int, int, int] | None:
+    """``(C, chunk_cols, NT, N_FULL)``: the smallest cluster whose chunk of both rows (``NT`` tiles of ``TILE``
+    columns, a 16-column aligned ``chunk_cols`` per CTA) fits ``SMEM_PER_CTA``, and ``N_FULL``, the number of leading
+    tiles that are whole in every CTA's chunk (the rest are masked); None when no cluster fits."""
     for c in CLUSTER_SIZES:
         chunk_cols = -(-vocab // c)
         chunk_cols = -(-chunk_cols // 16) * 16
         nt = -(-chunk_cols // TILE)
         if 2 * nt * TILE * elem_bytes <= SMEM_PER_CTA:
-            return c, chunk_cols, nt
+            n_full = min(max(0, min(chunk_cols, vocab - rank * chunk_cols)) // TILE for rank in range(c))
+            return c, chunk_cols, nt, n_full
     return None
 
 
-def cluster_loss_supported(verifier_dtype: torch.dtype, drafter_dtype: torch.dtype, vocab: int, aligned: bool,
-                           min_vocab: int) -> bool:
+def cluster_supported(verifier_dtype: torch.dtype, drafter_dtype: torch.dtype, vocab: int, aligned: bool,
+                      min_vocab: int) -> bool:
     """The shape and dtype part of the rule: the same 16-bit dtype on both inputs, ``V >= min_vocab``, ``V`` a
     multiple of 16, rows 16-element aligned (``aligned``: 16-byte ``cp.async``), and a layout that fits shared
     memory."""
@@ -285,38 +582,78 @@ def cluster_loss_supported(verifier_dtype: torch.dtype, drafter_dtype: torch.dty
         return False
     if vocab < min_vocab or vocab % 16 or not aligned:
         return False
-    return cluster_loss_layout(vocab, 2) is not None  # 2 bytes: bf16 / fp16
+    return cluster_layout(vocab, 2) is not None  # 2 bytes: bf16 / fp16
 
 
-def cluster_loss_eligible(verifier_logits: torch.Tensor, drafter_logits: torch.Tensor, grad_out: torch.Tensor,
-                          device_major: int, min_vocab: int) -> bool:
-    """Whether the cluster loss kernel applies: CUDA on Hopper (sm_90, where it was measured), not the interpreter,
-    Gluon importable, the path not turned off by an earlier failure, and ``cluster_loss_supported``."""
+def cluster_eligible(verifier_logits: torch.Tensor, drafter_logits: torch.Tensor, grad_out: torch.Tensor | None,
+                     device_major: int, min_vocab: int) -> bool:
+    """Whether the cluster kernels apply (``grad_out``: the loss's gradient, None for the forward): CUDA on Hopper
+    (sm_90, where they were measured), not the interpreter, Gluon importable, the path not turned off by an earlier
+    failure, and ``cluster_supported``."""
     if _STATE["broken"] or not HAVE_GLUON or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     if verifier_logits.device.type != "cuda" or device_major != 9:
         return False
-    aligned = all(t.stride(-1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
-                  for t in (verifier_logits, drafter_logits, grad_out))
-    return cluster_loss_supported(verifier_logits.dtype, drafter_logits.dtype, verifier_logits.shape[1], aligned,
-                                  min_vocab)
+    rows = (verifier_logits, drafter_logits) + ((grad_out,) if grad_out is not None else ())
+    aligned = all(t.stride(-1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in rows)
+    return cluster_supported(verifier_logits.dtype, drafter_logits.dtype, verifier_logits.shape[1], aligned,
+                             min_vocab)
 
 
-def _patch_cluster(compiled, cluster_size: int) -> None:
-    """Launch ``compiled`` as clusters of ``cluster_size`` CTAs: Triton 3.6's launcher reads ``num_ctas`` from
-    ``packed_metadata = (num_warps, num_ctas, shared)`` and passes it to ``cuLaunchKernelEx`` as the cluster
-    dimension (grid x ``num_ctas`` CTAs)."""
+def _patch_cluster(compiled, cluster_size: int, shared: int) -> None:
+    """Launch ``compiled`` as clusters of ``cluster_size`` CTAs with ``shared`` bytes of dynamic shared memory:
+    Triton 3.6's launcher reads ``packed_metadata = (num_warps, num_ctas, shared)`` and passes ``num_ctas`` to
+    ``cuLaunchKernelEx`` as the cluster dimension (grid x ``num_ctas`` CTAs)."""
     packed = compiled.packed_metadata
     if not (isinstance(packed, tuple) and len(packed) == 3 and packed[1] in (1, cluster_size)):
         raise RuntimeError(f"unexpected launch metadata {packed!r} (Triton {triton.__version__})")
-    compiled.packed_metadata = (packed[0], cluster_size, packed[2])  # idempotent: Triton's cache may hand it back
+    compiled.packed_metadata = (packed[0], cluster_size, shared)  # idempotent: Triton's cache may hand it back
 
 
 def _give_up(what: str, exc: Exception) -> None:
     """Turn the cluster path off for the process, with a warning; the caller falls back to the row kernel."""
     _STATE["broken"] = True
-    warnings.warn(f"specdec: the cluster loss kernel {what} ({type(exc).__name__}: {exc}); using the "
+    warnings.warn(f"specdec: the cluster divergence kernel {what} ({type(exc).__name__}: {exc}); using the "
                   "one-program-per-row kernel", RuntimeWarning, stacklevel=4)
+
+
+def _launch(kernel, key: tuple, arguments, constexprs: dict, c: int, nt: int, n_rows: int,
+            device: torch.device) -> bool:
+    """Launch ``kernel`` as persistent clusters of ``c`` CTAs (``arguments(n_clusters, region)``: its runtime
+    arguments). The first call per ``key`` compiles it, places the row-chunk region after the compiler's own shared
+    memory (``region``, 128-byte aligned; ``2 * nt * TILE`` 16-bit entries), sizes the grid with the occupancy API
+    and patches the launch; later calls launch the compiled kernel directly (no JIT dispatch). False (after a
+    warning, for the rest of the process) if it cannot be built or launched as a cluster."""
+    if key not in _COMPILED:
+        try:
+            estimate = max(1, torch.cuda.get_device_properties(device).multi_processor_count * 2 // c)
+            compiled = kernel.warmup(*arguments(estimate, 0), grid=(estimate * c,), **constexprs,
+                                     num_warps=NUM_WARPS)
+            region = getattr(compiled, "_specdec_region", None)
+            if region is None:  # not yet patched (Triton's cache may hand back a patched kernel for another key)
+                region = -(-compiled.metadata.shared // 128) * 128
+                compiled.metadata = compiled.metadata._replace(shared=region + 2 * nt * TILE * 2)
+                compiled._specdec_region = region
+            compiled._init_handles()  # after the shared-memory size is final: it sets the function's limit
+            shared = compiled.metadata.shared
+            fit = int(triton.runtime.driver.active.utils.cuOccupancyMaxActiveClusters(compiled.function, shared, c))
+            if fit < 1:
+                raise RuntimeError(f"no cluster of {c} CTAs fits ({shared} bytes of shared memory)")
+            _patch_cluster(compiled, c, shared)
+            _COMPILED[key] = (compiled, fit, region)
+        except Exception as exc:  # noqa: BLE001 - any failure here falls back to the row kernel
+            _give_up("is unavailable", exc)
+            return False
+    compiled, fit, region = _COMPILED[key]
+    n_clusters = min(n_rows, fit)
+    try:
+        # the launcher takes every parameter in order, constexprs included (it skips them), as the JIT path does
+        compiled[(n_clusters, 1, 1)](*arguments(n_clusters, region), *constexprs.values())
+    except Exception as exc:  # noqa: BLE001 - a refused launch (cuLaunchKernelEx) falls back to the row kernel
+        _give_up("could not be launched", exc)
+        return False
+    _STATE["launches"] += 1
+    return True
 
 
 def launch_cluster_loss(verifier_logits: torch.Tensor, drafter_logits: torch.Tensor, temperature: float,
@@ -325,61 +662,80 @@ def launch_cluster_loss(verifier_logits: torch.Tensor, drafter_logits: torch.Ten
                         grad_count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(ce, status)`` ([N] float32 H(p, q), [N] int32 status as in ``kernels/divergence.py``) with ``grad_out``
     ([N, V]) filled with ``weights[n] * grad_scale * (q - p) / T`` (divided by ``max(grad_count, 1)`` when given);
-    masked rows (``mask`` [N] uint8 == 0) get 0 everywhere. Call only where ``cluster_loss_eligible``; returns None
-    (after a warning, for the rest of the process) if the kernel cannot be built or launched as a cluster.
-
-    The first call per (device, dtypes, flags, layout) compiles the kernel, sizes the persistent grid with the
-    occupancy API and patches the launch; later calls launch the compiled kernel directly (no JIT dispatch)."""
+    masked rows (``mask`` [N], nonzero = kept) get 0 everywhere. Call only where ``cluster_eligible``; returns None
+    (after a warning, for the rest of the process) if the kernel cannot be built or launched as a cluster."""
     n_rows, vocab = verifier_logits.shape
     device = verifier_logits.device
-    c, chunk_cols, nt = cluster_loss_layout(vocab, verifier_logits.element_size())
+    c, chunk_cols, nt, n_full = cluster_layout(vocab, verifier_logits.element_size())
     ce = torch.empty(n_rows, dtype=torch.float32, device=device)
     status = torch.empty(n_rows, dtype=torch.int32, device=device)
     if n_rows == 0:
         return ce, status
     stats = torch.empty(n_rows * c * 8, dtype=torch.float32, device=device)
     # one compiled kernel per key: the side inputs always reach it as uint8 / float32 / float32
-    if mask is not None:
-        mask = (mask if mask.dtype == torch.uint8 else mask != 0).to(torch.uint8).contiguous()
+    mask = _as_uint8(mask)
     weights = weights.to(torch.float32).contiguous() if weights is not None else None
     grad_count = grad_count.to(torch.float32).reshape(1) if grad_count is not None else None
-    flags = (mask is not None, weights is not None, grad_count is not None)
-    constexprs = (*flags, c, nt, LANE_COLUMNS, NUM_WARPS)
-    key = (device.index, verifier_logits.dtype, grad_out.dtype, *constexprs)
+    constexprs = dict(HAS_MASK=mask is not None, HAS_WEIGHTS=weights is not None, HAS_COUNT=grad_count is not None,
+                      C=c, NT=nt, N_FULL=n_full, K=LANE_COLUMNS, WARPS=NUM_WARPS)
+    key = ("loss", device.index, verifier_logits.dtype, grad_out.dtype, *constexprs.values())
 
-    def arguments(clusters: int) -> tuple:
+    def arguments(clusters: int, region: int) -> tuple:
         return (verifier_logits, drafter_logits, grad_out, verifier_logits.stride(0), drafter_logits.stride(0),
                 grad_out.stride(0), mask if mask is not None else ce, weights if weights is not None else ce,
                 grad_count if grad_count is not None else ce, stats, ce, status, n_rows, vocab, chunk_cols,
-                clusters, LOG2E / temperature, grad_scale / temperature)
+                clusters, region, LOG2E / temperature, grad_scale / temperature)
 
-    if key not in _COMPILED:
-        try:
-            estimate = max(1, torch.cuda.get_device_properties(device).multi_processor_count * 2 // c)
-            meta = dict(HAS_MASK=flags[0], HAS_WEIGHTS=flags[1], HAS_COUNT=flags[2], C=c, NT=nt, K=LANE_COLUMNS,
-                        WARPS=NUM_WARPS, num_warps=NUM_WARPS)
-            compiled = _cluster_loss_kernel.warmup(*arguments(estimate), grid=(estimate * c,), **meta)
-            compiled._init_handles()
-            fit = int(triton.runtime.driver.active.utils.cuOccupancyMaxActiveClusters(
-                compiled.function, compiled.metadata.shared, c))
-            if fit < 1:
-                raise RuntimeError(f"no cluster of {c} CTAs fits ({compiled.metadata.shared} bytes of shared memory)")
-            _patch_cluster(compiled, c)
-            _COMPILED[key] = (compiled, fit)
-        except Exception as exc:  # noqa: BLE001 - any failure here falls back to the row kernel
-            _give_up("is unavailable", exc)
-            return None
-    compiled, fit = _COMPILED[key]
-    n_clusters = min(n_rows, fit)
-    try:
-        # the launcher takes every parameter in order, constexprs included (it skips them), as the JIT path does
-        compiled[(n_clusters, 1, 1)](*arguments(n_clusters), *constexprs)
-    except Exception as exc:  # noqa: BLE001 - a refused launch (cuLaunchKernelEx) falls back to the row kernel
-        _give_up("could not be launched", exc)
+    if not _launch(_cluster_loss_kernel, key, arguments, constexprs, c, nt, n_rows, device):
         return None
-    _STATE["launches"] += 1
     return ce, status
 
 
-__all__ = ["HAVE_GLUON", "cluster_loss_eligible", "cluster_loss_layout", "cluster_loss_supported",
+def launch_cluster_forward(verifier_logits: torch.Tensor, drafter_logits: torch.Tensor, temperature: float, *,
+                           mask: torch.Tensor | None = None, task_ids: torch.Tensor | None = None,
+                           num_tasks: int | None = None) -> tuple | None:
+    """``(ce, kl, tv, alpha, status, per_task)`` as ``kernels/divergence.py``'s ``launch_divergence`` returns them
+    ([N] float32 / int32; ``per_task`` 4 float64 sums and an int64 count over ``task_ids`` [N] in ``[0, num_tasks)``,
+    negative ids left out, or None); masked rows (``mask`` [N], nonzero = kept) get 0. Call only where
+    ``cluster_eligible``; returns None (after a warning, for the rest of the process) if the kernel cannot be built
+    or launched as a cluster."""
+    n_rows, vocab = verifier_logits.shape
+    device = verifier_logits.device
+    c, chunk_cols, nt, n_full = cluster_layout(vocab, verifier_logits.element_size())
+    f32 = dict(dtype=torch.float32, device=device)
+    ce, kl, tv, alpha = (torch.empty(n_rows, **f32) for _ in range(4))
+    status = torch.empty(n_rows, dtype=torch.int32, device=device)
+    has_tasks = task_ids is not None
+    sums = [torch.zeros(num_tasks, dtype=torch.float64, device=device) for _ in range(4)] if has_tasks else None
+    count = torch.zeros(num_tasks, dtype=torch.int64, device=device) if has_tasks else None
+    per_task = (*sums, count) if has_tasks else None
+    if n_rows == 0:
+        return ce, kl, tv, alpha, status, per_task
+    stats = torch.empty(n_rows * c * 8, **f32)
+    part = torch.empty(n_rows * c * 2, **f32)
+    mask = _as_uint8(mask)
+    task_ids = task_ids.to(torch.int64).contiguous() if has_tasks else None
+    constexprs = dict(HAS_MASK=mask is not None, HAS_TASKS=has_tasks, C=c, NT=nt, N_FULL=n_full, K=LANE_COLUMNS,
+                      WARPS=NUM_WARPS)
+    key = ("forward", device.index, verifier_logits.dtype, *constexprs.values())
+
+    def arguments(clusters: int, region: int) -> tuple:
+        return (verifier_logits, drafter_logits, verifier_logits.stride(0), drafter_logits.stride(0),
+                mask if mask is not None else ce, task_ids if has_tasks else ce, stats, part, ce, kl, tv, alpha,
+                status, *(sums if has_tasks else [ce] * 4), count if has_tasks else ce, n_rows, vocab, chunk_cols,
+                clusters, region, LOG2E / temperature)
+
+    if not _launch(_cluster_forward_kernel, key, arguments, constexprs, c, nt, n_rows, device):
+        return None
+    return ce, kl, tv, alpha, status, per_task
+
+
+def _as_uint8(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A row mask as contiguous uint8 (nonzero = kept), the one dtype the compiled kernels take."""
+    if mask is None:
+        return None
+    return (mask if mask.dtype == torch.uint8 else mask != 0).to(torch.uint8).contiguous()
+
+
+__all__ = ["HAVE_GLUON", "cluster_eligible", "cluster_layout", "cluster_supported", "launch_cluster_forward",
            "launch_cluster_loss"]

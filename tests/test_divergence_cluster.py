@@ -1,5 +1,6 @@
-"""The cluster loss kernel (``kernels/divergence_cluster.py``): H(p, q) and its drafter gradient with each row split
-over a Hopper thread-block cluster. The layout and the rule run everywhere; the kernel needs an sm_90 GPU."""
+"""The cluster kernels (``kernels/divergence_cluster.py``): the forward (H, KL, TV, alpha, per-task sums) and the loss
+(H(p, q) and its drafter gradient) with each row split over a Hopper thread-block cluster. The layout and the rule
+run everywhere; the kernels need an sm_90 GPU."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import specdec.divergences as sd
 from specdec.kernels import divergence as kdiv
 from specdec.kernels import divergence_cluster as kc
+from specdec.kernels.divergence_reference import divergence_reference
 
 NEG_INF = float("-inf")
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -18,16 +20,20 @@ hopper_only = pytest.mark.skipif(not HOPPER, reason="the cluster loss kernel run
 @pytest.mark.parametrize("elem_bytes", [2, 4])
 @pytest.mark.parametrize("vocab", [16, 1024, 32000, 65536, 128256, 151936, 262144])
 def test_layout_covers_the_row_and_fits_shared_memory(vocab: int, elem_bytes: int) -> None:
-    layout = kc.cluster_loss_layout(vocab, elem_bytes)
+    layout = kc.cluster_layout(vocab, elem_bytes)
     if layout is None:  # nothing fits: even the largest cluster's chunk is too big
         chunk = _cdiv(_cdiv(vocab, max(kc.CLUSTER_SIZES)), 16) * 16
         assert 2 * _cdiv(chunk, kc.TILE) * kc.TILE * elem_bytes > kc.SMEM_PER_CTA
         return
-    c, chunk_cols, nt = layout
+    c, chunk_cols, nt, n_full = layout
     assert c in kc.CLUSTER_SIZES
     assert chunk_cols % 16 == 0 and c * chunk_cols >= vocab and chunk_cols < _cdiv(vocab, c) + 16
     assert nt * kc.TILE >= chunk_cols > (nt - 1) * kc.TILE
     assert 2 * nt * kc.TILE * elem_bytes <= kc.SMEM_PER_CTA
+    # tiles before n_full are whole in every CTA's chunk (they are read unmasked); the next one is not in some CTA
+    lengths = [max(0, min(chunk_cols, vocab - rank * chunk_cols)) for rank in range(c)]
+    assert all(n_full * kc.TILE <= length for length in lengths)
+    assert n_full == nt or any((n_full + 1) * kc.TILE > length for length in lengths)
     for smaller in (s for s in kc.CLUSTER_SIZES if s < c):  # the smallest cluster that fits is chosen
         chunk = _cdiv(_cdiv(vocab, smaller), 16) * 16
         assert 2 * _cdiv(chunk, kc.TILE) * kc.TILE * elem_bytes > kc.SMEM_PER_CTA
@@ -39,19 +45,20 @@ def _cdiv(a: int, b: int) -> int:
 
 def test_rule_takes_only_measured_aligned_16_bit_shapes() -> None:
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
-    assert kc.cluster_loss_supported(bf16, bf16, 151936, True, 65536)
-    assert kc.cluster_loss_supported(fp16, fp16, 128256, True, 65536)
-    assert not kc.cluster_loss_supported(fp32, fp32, 151936, True, 65536)  # two fp32 rows do not fit two CTAs/SM
-    assert not kc.cluster_loss_supported(bf16, fp16, 151936, True, 65536)  # one shared-memory dtype
-    assert not kc.cluster_loss_supported(bf16, bf16, 32000, True, 65536)  # below the vocabulary threshold
-    assert not kc.cluster_loss_supported(bf16, bf16, 151944 - 4, True, 65536)  # V % 16 != 0
-    assert not kc.cluster_loss_supported(bf16, bf16, 151936, False, 65536)  # rows not 16-element aligned
-    assert not kc.cluster_loss_supported(bf16, bf16, 1 << 20, True, 65536)  # no cluster's chunk fits
+    assert kc.cluster_supported(bf16, bf16, 151936, True, 65536)
+    assert kc.cluster_supported(fp16, fp16, 128256, True, 65536)
+    assert not kc.cluster_supported(fp32, fp32, 151936, True, 65536)  # two fp32 rows do not fit two CTAs/SM
+    assert not kc.cluster_supported(bf16, fp16, 151936, True, 65536)  # one shared-memory dtype
+    assert not kc.cluster_supported(bf16, bf16, 32000, True, 65536)  # below the vocabulary threshold
+    assert not kc.cluster_supported(bf16, bf16, 151944 - 4, True, 65536)  # V % 16 != 0
+    assert not kc.cluster_supported(bf16, bf16, 151936, False, 65536)  # rows not 16-element aligned
+    assert not kc.cluster_supported(bf16, bf16, 1 << 20, True, 65536)  # no cluster's chunk fits
 
 
 def test_not_eligible_off_the_gpu() -> None:
     v = torch.zeros(2, 65536, dtype=torch.bfloat16)
-    assert not kc.cluster_loss_eligible(v, v, v, 9, 65536)
+    assert not kc.cluster_eligible(v, v, v, 9, 65536)
+    assert not kc.cluster_eligible(v, v, None, 9, 65536)
 
 
 def _logits(n: int, v: int, seed: int, dtype: torch.dtype, scale: float = 3.0) -> torch.Tensor:
@@ -73,7 +80,7 @@ def _hard_rows(v: torch.Tensor, d: torch.Tensor) -> None:
 
 @pytest.fixture
 def cluster_on():
-    previous = kdiv.set_config(cluster=1)
+    previous = kdiv.set_config(cluster=1, cluster_forward=1)
     kc._STATE["broken"] = False
     yield
     kdiv.set_config(**previous)
@@ -225,3 +232,88 @@ def test_side_input_dtypes_small_vocabularies_and_bad_verifier_rows(cluster_on, 
     torch.testing.assert_close(grad[rows].float(), grad_row[rows].float(), rtol=0,
                                atol=8e-3 * float(grad_row[rows].float().abs().max()))
     assert bool((grad[~keep.cuda()] == 0).all())
+
+
+def _forward_check(out: tuple, ref: tuple, tol: float) -> None:
+    for got, want in zip(out[:4], ref[:4], strict=True):
+        want = want.to(got.device)
+        assert got.dtype == torch.float32 and not torch.isnan(got).any()
+        assert torch.equal(torch.isinf(got), torch.isinf(want))
+        fin = torch.isfinite(want)
+        torch.testing.assert_close(got[fin].double(), want[fin], rtol=tol, atol=tol)
+
+
+@hopper_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("vocab", "temperature"), [(16, 1.0), (1040, 0.7), (32000, 1.3), (151936, 1.0)])
+def test_cluster_forward_matches_float64_reference(cluster_on, dtype, vocab: int, temperature: float) -> None:
+    """H, KL, TV, alpha and per-task sums against float64 on hard rows: -inf on both sides of a third of a row,
+    p > 0 where q = 0 (+inf), x = -inf alone (the kernel's safe pass), p = q, shifted logits, a near one-hot row,
+    masked rows; vocabularies from one tile (V = 16: one CTA of the pair has an empty chunk) to 151936."""
+    kdiv.set_config(cluster_min_vocab=0)
+    n, num_tasks = 37, 3
+    v, d = _logits(n, vocab, 21, dtype), _logits(n, vocab, 22, dtype)
+    _hard_rows(v, d)
+    d[1, 5] = NEG_INF  # p > 0 where q = 0
+    v[2, 7] = NEG_INF  # x = -inf where y is finite
+    g = torch.Generator().manual_seed(23)
+    task_ids = torch.randint(-1, num_tasks, (n,), generator=g).cuda()
+    mask = torch.rand(n, generator=g) > 0.2
+    mask[[0, 1, 2, 3, 4, 5]] = True
+    mask = mask.cuda()
+    launches = kc._STATE["launches"]
+    out = kdiv.launch_divergence(v, d, temperature, mask=mask, task_ids=task_ids, num_tasks=num_tasks)
+    assert kc._STATE["launches"] == launches + 1, "the cluster kernel did not run"
+    ref = divergence_reference(v.double(), d.double(), temperature, mask=mask, task_ids=task_ids,
+                               num_tasks=num_tasks)
+    _forward_check(out, ref, 2e-5)
+    ce, kl, tv, alpha, status, per_task = out
+    assert bool(torch.isinf(ce[1])) and bool(torch.isinf(kl[1])) and int(status[1]) == 0
+    assert float(kl[3]) == 0.0 and float(tv[3]) == 0.0 and abs(float(alpha[3]) - 1.0) < 1e-6
+    off = ~mask
+    assert all(bool((t[off] == 0).all()) for t in (ce, kl, tv, alpha, status))
+    counted = mask & (task_ids >= 0)
+    counted[1] = False  # the +inf row: its task's sums are +inf in both
+    for task in range(num_tasks):
+        sel = counted & (task_ids == task)
+        assert int(per_task[4][task]) == int((mask & (task_ids == task)).sum())
+        if not bool((mask & (task_ids == task))[1]):
+            for k, values in enumerate((ce, kl, tv, alpha)):
+                torch.testing.assert_close(per_task[k][task], values[sel].double().sum(), rtol=1e-9, atol=1e-9)
+
+
+@hopper_only
+@pytest.mark.parametrize("masked_fraction", [0.0, 0.3])
+def test_cluster_forward_matches_the_row_kernel_over_many_rows(cluster_on, masked_fraction: float) -> None:
+    """More rows than clusters (each cluster walks many rows; TV and alpha of a row are finished at the next row's
+    cluster barrier, the last one after the loop), masked rows skipped: against the one-program-per-row kernel."""
+    n, vocab, num_tasks = 1000, 131072, 5
+    v, d = _logits(n, vocab, 24, torch.bfloat16), _logits(n, vocab, 25, torch.bfloat16)
+    _hard_rows(v, d)
+    d[8, 12] = float("nan")  # a bad drafter row: status bit 1
+    g = torch.Generator().manual_seed(26)
+    mask = (torch.rand(n, generator=g) >= masked_fraction).cuda()
+    mask[[n - 1, 8]] = True
+    task_ids = torch.randint(-1, num_tasks, (n,), generator=g).cuda()
+    task_ids[8] = -1
+    outs = {}
+    for cluster in (0, 1):
+        kdiv.set_config(cluster=cluster)
+        launches = kc._STATE["launches"]
+        outs[cluster] = kdiv.launch_divergence(v, d, 0.9, mask=mask, task_ids=task_ids, num_tasks=num_tasks)
+        assert kc._STATE["launches"] == launches + cluster
+    row, clu = outs[0], outs[1]
+    assert torch.equal(row[4], clu[4]) and int(clu[4][8]) == 2
+    ok = mask.clone()
+    ok[8] = False
+    for got, want in zip(clu[:4], row[:4], strict=True):
+        assert torch.equal(torch.isinf(got[ok]), torch.isinf(want[ok]))
+        torch.testing.assert_close(got[ok], want[ok], rtol=1e-5, atol=1e-5)
+        assert bool((got[~mask] == 0).all())
+    for k in range(4):
+        torch.testing.assert_close(clu[5][k], row[5][k], rtol=1e-6, atol=1e-6)
+    assert torch.equal(clu[5][4], row[5][4])
+    kdiv.set_config(cluster=1)
+    again = kdiv.launch_divergence(v, d, 0.9, mask=mask, task_ids=task_ids, num_tasks=num_tasks)
+    for got, want in zip(again[:5], clu[:5], strict=True):  # deterministic: the same bits again
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
