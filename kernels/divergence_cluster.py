@@ -277,10 +277,51 @@ if HAVE_GLUON:
                                                      layout)
         return mx, my, sx, sy, s3, s4
 
+    # After the row chunks, the region holds two (by row parity) exchange areas: each CTA pushes its chunk's 6
+    # statistics into every CTA's slot ``(parity, rank)`` (``st.shared::cluster``, distributed shared memory) before
+    # the cluster barrier, and reads the C slots from its own shared memory after it; the forward's pass-2 sums go
+    # to CTA 0 alone, which adds them up after the next barrier. A slot is rewritten two barriers later at the
+    # earliest, after every CTA has read it.
+
     @gluon.jit
-    def _publish_chunk(st, mx, my, sx, sy, s3, s4, FORWARD: gl.constexpr):
-        """Combine the lanes into the chunk's ``(mx, sx, my, sy, s3, s4)`` and store them at ``st``. ``s3`` is
-        relative to the x maximum (forward) or the y maximum (loss); ``s4`` only rescales."""
+    def _push(slot, target, live, v0, v1, v2, v3, v4, v5):
+        """Store ``(v0 .. v3)`` at byte ``slot`` and ``(v4, v5)`` at ``slot + 16`` of CTA ``target``'s shared memory
+        (all [R]; the lanes where ``live`` is nonzero store)."""
+        gl.inline_asm_elementwise(
+            "{\n\t.reg .pred p;\n\t.reg .b32 ra;\n\tsetp.ne.s32 p, $3, 0;\n\t"
+            "mapa.shared::cluster.u32 ra, $1, $2;\n\t"
+            "@p st.shared::cluster.v4.f32 [ra], {$4, $5, $6, $7};\n\t"
+            "@p st.shared::cluster.v2.f32 [ra+16], {$8, $9};\n\tmov.u32 $0, 0;\n\t}",
+            "=r,r,r,r,f,f,f,f,f,f", [slot, target, live, v0, v1, v2, v3, v4, v5], dtype=gl.int32, is_pure=False,
+            pack=1)
+
+    @gluon.jit
+    def _push2(slot, target, live, v0, v1):
+        """Store ``(v0, v1)`` at byte ``slot`` of CTA ``target``'s shared memory (where ``live`` is nonzero)."""
+        gl.inline_asm_elementwise(
+            "{\n\t.reg .pred p;\n\t.reg .b32 ra;\n\tsetp.ne.s32 p, $3, 0;\n\t"
+            "mapa.shared::cluster.u32 ra, $1, $2;\n\t"
+            "@p st.shared::cluster.v2.f32 [ra], {$4, $5};\n\tmov.u32 $0, 0;\n\t}",
+            "=r,r,r,r,f,f", [slot, target, live, v0, v1], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _read4(addr):
+        """Four float32 at byte ``addr`` of this CTA's shared memory (elementwise over ``addr``)."""
+        return gl.inline_asm_elementwise("ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,r", [addr],
+                                         dtype=(gl.float32, gl.float32, gl.float32, gl.float32), is_pure=False,
+                                         pack=1)
+
+    @gluon.jit
+    def _read2(addr):
+        """Two float32 at byte ``addr`` of this CTA's shared memory (elementwise over ``addr``)."""
+        return gl.inline_asm_elementwise("ld.shared.v2.f32 {$0, $1}, [$2];", "=f,=f,r", [addr],
+                                         dtype=(gl.float32, gl.float32), is_pure=False, pack=1)
+
+    @gluon.jit
+    def _publish_chunk(slot, lanes, mx, my, sx, sy, s3, s4, C: gl.constexpr, FORWARD: gl.constexpr):
+        """Combine the lanes into the chunk's ``(mx, sx, my, sy, s3, s4)`` and push them to every CTA of the
+        cluster at byte ``slot`` (this CTA's slot of the current parity). ``s3`` is relative to the x maximum
+        (forward) or the y maximum (loss); ``s4`` only rescales."""
         NEG_INF: gl.constexpr = float("-inf")
         gmx = gl.max(mx, 0)
         gmy = gl.max(my, 0)
@@ -297,24 +338,18 @@ if HAVE_GLUON:
         c_sx, c_sy, c_3, c_4 = gl.reduce(
             (gl.where(live_x, f_x * sx, 0.0), gl.where(live_y, f_y * sy, 0.0),
              gl.where(live_x, f_x * (s3 + shift * sx), 0.0), gl.where(live_x, f_x * s4, 0.0)), 0, _add4)
-        gl.store(st + 0, gmx)
-        gl.store(st + 1, c_sx)
-        gl.store(st + 2, gmy)
-        gl.store(st + 3, c_sy)
-        gl.store(st + 4, c_3)
-        gl.store(st + 5, c_4)
+        zero = gl.zeros_like(mx)
+        _push(slot + lanes * 0, lanes, (lanes < C).to(gl.int32), gmx + zero, c_sx + zero, gmy + zero, c_sy + zero,
+              c_3 + zero, c_4 + zero)
 
     @gluon.jit
-    def _combine_row(sb, FORWARD: gl.constexpr):
-        """The row's statistics from its ``C`` chunks' (``sb``: [C] pointers to each chunk's 8 floats, read from L2
-        after the cluster barrier): ``(Mx, My, Sx, Sy, S3, S4)`` with ``S3`` relative to ``Mx`` (forward) / ``My``."""
+    def _combine_row(slots, FORWARD: gl.constexpr):
+        """The row's statistics from its ``C`` chunks' (``slots``: [C] byte addresses of this CTA's exchange slots
+        of the current parity, read after the cluster barrier): ``(Mx, My, Sx, Sy, S3, S4)`` with ``S3`` relative to
+        ``Mx`` (forward) / ``My``."""
         NEG_INF: gl.constexpr = float("-inf")
-        mx_c = gl.load(sb + 0, cache_modifier=".cg")
-        sx_c = gl.load(sb + 1, cache_modifier=".cg")
-        my_c = gl.load(sb + 2, cache_modifier=".cg")
-        sy_c = gl.load(sb + 3, cache_modifier=".cg")
-        s3_c = gl.load(sb + 4, cache_modifier=".cg")
-        s4_c = gl.load(sb + 5, cache_modifier=".cg")
+        mx_c, sx_c, my_c, sy_c = _read4(slots)
+        s3_c, s4_c = _read2(slots + 16)
         gx = gl.max(mx_c, 0)
         gy = gl.max(my_c, 0)
         gx = gl.where(gx == NEG_INF, 0.0, gx)
@@ -334,14 +369,13 @@ if HAVE_GLUON:
         return gx, gy, sx_t, sy_t, s3_t, s4_t
 
     @gluon.jit
-    def _finish_forward(row64, ce, kl, part_ptr, tv_ptr, alpha_ptr, task_ptr, task_ce_ptr, task_kl_ptr,
-                        task_tv_ptr, task_alpha_ptr, task_count_ptr, goffs, C: gl.constexpr,
-                        HAS_TASKS: gl.constexpr):
-        """TV and alpha of ``row64`` from its ``C`` chunks' pass-2 sums (fixed order: deterministic), and the
-        per-task sums."""
-        pt = part_ptr + (row64 * C + goffs) * 2
-        tv = gl.minimum(gl.maximum(0.5 * gl.sum(gl.load(pt + 0, cache_modifier=".cg"), 0), 0.0), 1.0)
-        alpha = gl.minimum(gl.maximum(gl.sum(gl.load(pt + 1, cache_modifier=".cg"), 0), 0.0), 1.0)
+    def _finish_forward(row64, ce, kl, part_slots, tv_ptr, alpha_ptr, task_ptr, task_ce_ptr, task_kl_ptr,
+                        task_tv_ptr, task_alpha_ptr, task_count_ptr, HAS_TASKS: gl.constexpr):
+        """TV and alpha of ``row64`` from its ``C`` chunks' pass-2 sums (``part_slots``: [C] byte addresses in CTA
+        0's shared memory; fixed order: deterministic), and the per-task sums."""
+        part_abs, part_min = _read2(part_slots)
+        tv = gl.minimum(gl.maximum(0.5 * gl.sum(part_abs, 0), 0.0), 1.0)
+        alpha = gl.minimum(gl.maximum(gl.sum(part_min, 0), 0.0), 1.0)
         gl.store(tv_ptr + row64, tv)
         gl.store(alpha_ptr + row64, alpha)
         if HAS_TASKS:
@@ -353,13 +387,37 @@ if HAVE_GLUON:
                 gl.atomic_add(task_alpha_ptr + task, alpha.to(gl.float64))
                 gl.atomic_add(task_count_ptr + task, 1)
 
+    @gluon.jit
+    def _cta_setup(chunk_cols, vocab, region, C: gl.constexpr, NT: gl.constexpr, K: gl.constexpr,
+                   WARPS: gl.constexpr):
+        """This CTA's place: cluster ``cid``, ``rank`` in it, its columns ``[c0, c1)``, the lanes ([R]) and their
+        columns in a tile (``offs2`` [R, K]), each lane's piece addresses (``piece`` [R], ``piece2`` [R, K]), the
+        cluster ranks ``goffs`` [C], and the exchange areas (statistics ``xs``, pass-2 sums ``xp``)."""
+        R: gl.constexpr = 32 * WARPS
+        layout: gl.constexpr = gl.BlockedLayout([1, K], [32, 1], [WARPS, 1], [1, 0])
+        pid = gl.program_id(0)
+        cid = pid // C
+        rank = pid % C
+        c0 = rank * chunk_cols
+        c1 = gl.minimum(c0 + chunk_cols, vocab)
+        lanes = gl.arange(0, R, layout=gl.SliceLayout(1, layout))
+        ks = gl.arange(0, K, layout=gl.SliceLayout(0, layout))
+        offs2 = gl.expand_dims(lanes, 1) * K + gl.expand_dims(ks, 0)
+        smem = _smem_base() + region
+        piece = smem + lanes * 16
+        piece2 = gl.expand_dims(piece, 1) + gl.zeros([R, K], gl.int32, layout)
+        goffs = gl.arange(0, C, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+        xs = smem + 2 * NT * R * 16  # exchange slots: statistics [2, C] x 32 bytes, then pass-2 sums [2, C] x 8
+        xp = xs + 2 * C * 32
+        return cid, rank, c0, c1, lanes, offs2, piece, piece2, goffs, xs, xp
+
     # n_rows and n_clusters change from call to call; mask / weight / count may be views at any offset: none of them
     # specialises the kernel, so one compiled kernel per (dtypes, flags, layout) serves every call (see _COMPILED)
     @gluon.jit(do_not_specialize=["n_rows", "n_clusters", "region"],
                do_not_specialize_on_alignment=["mask_ptr", "weight_ptr", "count_ptr"])
     def _cluster_loss_kernel(
         v_ptr, d_ptr, g_ptr, stride_v, stride_d, stride_g,
-        mask_ptr, weight_ptr, count_ptr, stats_ptr, ce_ptr, status_ptr,
+        mask_ptr, weight_ptr, count_ptr, ce_ptr, status_ptr,
         n_rows, vocab, chunk_cols, n_clusters, region, scale2, grad_scale,
         HAS_MASK: gl.constexpr, HAS_WEIGHTS: gl.constexpr, HAS_COUNT: gl.constexpr,
         C: gl.constexpr, NT: gl.constexpr, N_FULL: gl.constexpr, K: gl.constexpr, WARPS: gl.constexpr,
@@ -368,27 +426,16 @@ if HAVE_GLUON:
         R: gl.constexpr = 32 * WARPS
         TILE_: gl.constexpr = R * K
         layout: gl.constexpr = gl.BlockedLayout([1, K], [32, 1], [WARPS, 1], [1, 0])
-        lane_layout: gl.constexpr = gl.SliceLayout(1, layout)
-        small: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
         dtype: gl.constexpr = v_ptr.dtype.element_ty
-        pid = gl.program_id(0)
-        cid = pid // C
-        rank = pid % C
-        c0 = rank * chunk_cols
-        c1 = gl.minimum(c0 + chunk_cols, vocab)
-        lanes = gl.arange(0, R, layout=lane_layout)
-        ks = gl.arange(0, K, layout=gl.SliceLayout(0, layout))
-        offs2 = gl.expand_dims(lanes, 1) * K + gl.expand_dims(ks, 0)
-        lane_cols = lanes * K
-        piece = _smem_base() + region + lanes * 16
-        piece2 = gl.expand_dims(piece, 1) + gl.zeros([R, K], gl.int32, layout)
-        goffs = gl.arange(0, C, layout=small)
+        cid, rank, c0, c1, lanes, offs2, piece, piece2, goffs, xs, xp = _cta_setup(chunk_cols, vocab, region, C, NT,
+                                                                                  K, WARPS)
+        phase = rank * 0  # kept rows so far: the parity of the exchange slots
         w_base = grad_scale
         if HAS_COUNT:  # "mean" over a mask: 1 / max(count, 1), counted on the device (no host sync)
             w_base = w_base / gl.maximum(gl.load(count_ptr), 1.0)
         n_mine = gl.cdiv(n_rows - cid, n_clusters)
         keep = _row_kept(mask_ptr, cid, n_rows, HAS_MASK)
-        _issue_row(piece, v_ptr, d_ptr, cid, keep, stride_v, stride_d, c0, c1, lane_cols, NT, TILE_, R)
+        _issue_row(piece, v_ptr, d_ptr, cid, keep, stride_v, stride_d, c0, c1, lanes * K, NT, TILE_, R)
         for it in range(0, n_mine):
             row = cid + it * n_clusters
             row64 = row.to(gl.int64)
@@ -400,9 +447,11 @@ if HAVE_GLUON:
             if keep:  # the same for every CTA of the cluster (one row), so the barrier below stays matched
                 mx, my, sx, sy, tt, s4 = _lane_stats(piece2, c0, c1, offs2, scale2, dtype, False, NT, N_FULL, TILE_, R,
                                                      layout)
-                _publish_chunk(stats_ptr + (row64 * C + rank) * 8, mx, my, sx, sy, tt, s4, False)
+                par = phase % 2
+                _publish_chunk(xs + (par * C + rank) * 32, lanes, mx, my, sx, sy, tt, s4, C, False)
                 _cluster_barrier()
-                gx, gy, sx_t, sy_t, t_t, s4_t = _combine_row(stats_ptr + (row64 * C + goffs) * 8, False)
+                gx, gy, sx_t, sy_t, t_t, s4_t = _combine_row(xs + (par * C + goffs) * 32, False)
+                phase += 1
                 log2_sy = gl.log2(sy_t)
                 lp = gx + gl.log2(sx_t)
                 lq = gy + log2_sy
@@ -418,8 +467,8 @@ if HAVE_GLUON:
                         gl.store(g_row + cols, g)
                     else:
                         gl.store(g_row + cols, g, mask=cols < c1)
-                    _issue_tile(piece, t, v_next, d_next, c0 + t * TILE_ + lane_cols,
-                                (c0 + t * TILE_ + lane_cols < c1) & keep_next, NT, R)
+                    _issue_tile(piece, t, v_next, d_next, c0 + t * TILE_ + lanes * K,
+                                (c0 + t * TILE_ + lanes * K < c1) & keep_next, NT, R)
                 if rank == 0:
                     ce = LN2 * (log2_sy - t_t / sx_t)
                     # a NaN sum over finite normalisers: an underflowed weight times an infinite difference (p > 0
@@ -433,8 +482,8 @@ if HAVE_GLUON:
                 for t in gl.static_range(NT):
                     cols = c0 + t * TILE_ + offs2
                     gl.store(g_row + cols, zero, mask=cols < c1)
-                    _issue_tile(piece, t, v_next, d_next, c0 + t * TILE_ + lane_cols,
-                                (c0 + t * TILE_ + lane_cols < c1) & keep_next, NT, R)
+                    _issue_tile(piece, t, v_next, d_next, c0 + t * TILE_ + lanes * K,
+                                (c0 + t * TILE_ + lanes * K < c1) & keep_next, NT, R)
                 if rank == 0:
                     gl.store(ce_ptr + row64, 0.0)
                     gl.store(status_ptr + row64, 0)
@@ -444,7 +493,7 @@ if HAVE_GLUON:
     @gluon.jit(do_not_specialize=["n_rows", "n_clusters", "region"],
                do_not_specialize_on_alignment=["mask_ptr", "task_ptr"])
     def _cluster_forward_kernel(
-        v_ptr, d_ptr, stride_v, stride_d, mask_ptr, task_ptr, stats_ptr, part_ptr,
+        v_ptr, d_ptr, stride_v, stride_d, mask_ptr, task_ptr,
         ce_ptr, kl_ptr, tv_ptr, alpha_ptr, status_ptr,
         task_ce_ptr, task_kl_ptr, task_tv_ptr, task_alpha_ptr, task_count_ptr,
         n_rows, vocab, chunk_cols, n_clusters, region, scale2,
@@ -456,27 +505,17 @@ if HAVE_GLUON:
         TILE_: gl.constexpr = R * K
         layout: gl.constexpr = gl.BlockedLayout([1, K], [32, 1], [WARPS, 1], [1, 0])
         lane_layout: gl.constexpr = gl.SliceLayout(1, layout)
-        small: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
         dtype: gl.constexpr = v_ptr.dtype.element_ty
-        pid = gl.program_id(0)
-        cid = pid // C
-        rank = pid % C
-        c0 = rank * chunk_cols
-        c1 = gl.minimum(c0 + chunk_cols, vocab)
-        lanes = gl.arange(0, R, layout=lane_layout)
-        ks = gl.arange(0, K, layout=gl.SliceLayout(0, layout))
-        offs2 = gl.expand_dims(lanes, 1) * K + gl.expand_dims(ks, 0)
-        lane_cols = lanes * K
-        piece = _smem_base() + region + lanes * 16
-        piece2 = gl.expand_dims(piece, 1) + gl.zeros([R, K], gl.int32, layout)
-        goffs = gl.arange(0, C, layout=small)
+        cid, rank, c0, c1, lanes, offs2, piece, piece2, goffs, xs, xp = _cta_setup(chunk_cols, vocab, region, C, NT,
+                                                                                  K, WARPS)
+        phase = rank * 0  # kept rows so far: the parity of the exchange slots
         n_mine = gl.cdiv(n_rows - cid, n_clusters)
         # TV and alpha of a row need every chunk's pass-2 sums: rank 0 adds them up after the next cluster barrier
         pending = cid * 0 - 1
         pending_ce = scale2 * 0.0
         pending_kl = scale2 * 0.0
         keep = _row_kept(mask_ptr, cid, n_rows, HAS_MASK)
-        _issue_row(piece, v_ptr, d_ptr, cid, keep, stride_v, stride_d, c0, c1, lane_cols, NT, TILE_, R)
+        _issue_row(piece, v_ptr, d_ptr, cid, keep, stride_v, stride_d, c0, c1, lanes * K, NT, TILE_, R)
         for it in range(0, n_mine):
             row = cid + it * n_clusters
             row64 = row.to(gl.int64)
@@ -487,14 +526,15 @@ if HAVE_GLUON:
             if keep:
                 mx, my, sx, sy, rr, ee = _lane_stats(piece2, c0, c1, offs2, scale2, dtype, True, NT, N_FULL, TILE_, R,
                                                      layout)
-                _publish_chunk(stats_ptr + (row64 * C + rank) * 8, mx, my, sx, sy, rr, ee, True)
+                par = phase % 2
+                _publish_chunk(xs + (par * C + rank) * 32, lanes, mx, my, sx, sy, rr, ee, C, True)
                 _cluster_barrier()
                 if rank == 0:
                     if pending >= 0:
-                        _finish_forward(pending.to(gl.int64), pending_ce, pending_kl, part_ptr, tv_ptr, alpha_ptr,
-                                        task_ptr, task_ce_ptr, task_kl_ptr, task_tv_ptr, task_alpha_ptr,
-                                        task_count_ptr, goffs, C, HAS_TASKS)
-                gx, gy, sx_t, sy_t, r_t, e_t = _combine_row(stats_ptr + (row64 * C + goffs) * 8, True)
+                        _finish_forward(pending.to(gl.int64), pending_ce, pending_kl, xp + ((1 - par) * C + goffs) * 8,
+                                        tv_ptr, alpha_ptr, task_ptr, task_ce_ptr, task_kl_ptr, task_tv_ptr,
+                                        task_alpha_ptr, task_count_ptr, HAS_TASKS)
+                gx, gy, sx_t, sy_t, r_t, e_t = _combine_row(xs + (par * C + goffs) * 32, True)
                 log2_sx = gl.log2(sx_t)
                 log2_sy = gl.log2(sy_t)
                 lp = gx + log2_sx
@@ -511,12 +551,12 @@ if HAVE_GLUON:
                         qy = gl.where(cols < c1, qy, 0.0)
                     acc_abs += gl.sum(gl.abs(px - qy), 1)
                     acc_min += gl.sum(gl.minimum(px, qy), 1)
-                    _issue_tile(piece, t, v_next, d_next, c0 + t * TILE_ + lane_cols,
-                                (c0 + t * TILE_ + lane_cols < c1) & keep_next, NT, R)
+                    _issue_tile(piece, t, v_next, d_next, c0 + t * TILE_ + lanes * K,
+                                (c0 + t * TILE_ + lanes * K < c1) & keep_next, NT, R)
                 t_abs, t_min = gl.reduce((acc_abs, acc_min), 0, _add2)
-                pt = part_ptr + (row64 * C + rank) * 2
-                gl.store(pt + 0, t_abs)
-                gl.store(pt + 1, t_min)
+                zero = gl.zeros_like(acc_abs)
+                _push2(xp + (par * C + rank) * 8 + lanes * 0, lanes * 0, (lanes == 0).to(gl.int32), t_abs + zero,
+                       t_min + zero)
                 entropy = LN2 * (log2_sx - r_t / sx_t)
                 kl = LN2 * gl.maximum(e_t * scale2 / sx_t - lp + lq, 0.0)
                 # a NaN sum over finite normalisers: an underflowed weight times an infinite difference (p > 0
@@ -530,12 +570,13 @@ if HAVE_GLUON:
                 pending = row
                 pending_ce = ce
                 pending_kl = kl
+                phase += 1
             else:
                 _wait(0)  # this row's (empty) copies land before the slot is refilled
                 for t in gl.static_range(NT):
                     cols = c0 + t * TILE_ + offs2
-                    _issue_tile(piece, t, v_next, d_next, c0 + t * TILE_ + lane_cols,
-                                (c0 + t * TILE_ + lane_cols < c1) & keep_next, NT, R)
+                    _issue_tile(piece, t, v_next, d_next, c0 + t * TILE_ + lanes * K,
+                                (c0 + t * TILE_ + lanes * K < c1) & keep_next, NT, R)
                 if rank == 0:
                     gl.store(ce_ptr + row64, 0.0)
                     gl.store(kl_ptr + row64, 0.0)
@@ -543,12 +584,12 @@ if HAVE_GLUON:
                     gl.store(alpha_ptr + row64, 0.0)
                     gl.store(status_ptr + row64, 0)
             keep = keep_next
-        _cluster_barrier()  # the last row's pass-2 sums are published
+        _cluster_barrier()  # the last row's pass-2 sums are in
         if rank == 0:
             if pending >= 0:
-                _finish_forward(pending.to(gl.int64), pending_ce, pending_kl, part_ptr, tv_ptr, alpha_ptr, task_ptr,
-                                task_ce_ptr, task_kl_ptr, task_tv_ptr, task_alpha_ptr, task_count_ptr, goffs, C,
-                                HAS_TASKS)
+                _finish_forward(pending.to(gl.int64), pending_ce, pending_kl, xp + ((1 - phase % 2) * C + goffs) * 8,
+                                tv_ptr, alpha_ptr, task_ptr, task_ce_ptr, task_kl_ptr, task_tv_ptr, task_alpha_ptr,
+                                task_count_ptr, HAS_TASKS)
         _wait(0)
 
 
@@ -617,6 +658,12 @@ def _give_up(what: str, exc: Exception) -> None:
                   "one-program-per-row kernel", RuntimeWarning, stacklevel=4)
 
 
+def region_bytes(cluster_size: int, nt: int) -> int:
+    """Bytes of this module's shared-memory region: the row chunks (``2 * nt * TILE`` 16-bit logits) and the
+    exchange slots (``[2, C]`` x 32 bytes of statistics, ``[2, C]`` x 8 bytes of pass-2 sums)."""
+    return 2 * nt * TILE * 2 + 2 * cluster_size * (32 + 8)
+
+
 def _launch(kernel, key: tuple, arguments, constexprs: dict, c: int, nt: int, n_rows: int,
             device: torch.device) -> bool:
     """Launch ``kernel`` as persistent clusters of ``c`` CTAs (``arguments(n_clusters, region)``: its runtime
@@ -632,7 +679,7 @@ def _launch(kernel, key: tuple, arguments, constexprs: dict, c: int, nt: int, n_
             region = getattr(compiled, "_specdec_region", None)
             if region is None:  # not yet patched (Triton's cache may hand back a patched kernel for another key)
                 region = -(-compiled.metadata.shared // 128) * 128
-                compiled.metadata = compiled.metadata._replace(shared=region + 2 * nt * TILE * 2)
+                compiled.metadata = compiled.metadata._replace(shared=region + region_bytes(c, nt))
                 compiled._specdec_region = region
             compiled._init_handles()  # after the shared-memory size is final: it sets the function's limit
             shared = compiled.metadata.shared
@@ -671,7 +718,6 @@ def launch_cluster_loss(verifier_logits: torch.Tensor, drafter_logits: torch.Ten
     status = torch.empty(n_rows, dtype=torch.int32, device=device)
     if n_rows == 0:
         return ce, status
-    stats = torch.empty(n_rows * c * 8, dtype=torch.float32, device=device)
     # one compiled kernel per key: the side inputs always reach it as uint8 / float32 / float32
     mask = _as_uint8(mask)
     weights = weights.to(torch.float32).contiguous() if weights is not None else None
@@ -683,7 +729,7 @@ def launch_cluster_loss(verifier_logits: torch.Tensor, drafter_logits: torch.Ten
     def arguments(clusters: int, region: int) -> tuple:
         return (verifier_logits, drafter_logits, grad_out, verifier_logits.stride(0), drafter_logits.stride(0),
                 grad_out.stride(0), mask if mask is not None else ce, weights if weights is not None else ce,
-                grad_count if grad_count is not None else ce, stats, ce, status, n_rows, vocab, chunk_cols,
+                grad_count if grad_count is not None else ce, ce, status, n_rows, vocab, chunk_cols,
                 clusters, region, LOG2E / temperature, grad_scale / temperature)
 
     if not _launch(_cluster_loss_kernel, key, arguments, constexprs, c, nt, n_rows, device):
@@ -711,8 +757,6 @@ def launch_cluster_forward(verifier_logits: torch.Tensor, drafter_logits: torch.
     per_task = (*sums, count) if has_tasks else None
     if n_rows == 0:
         return ce, kl, tv, alpha, status, per_task
-    stats = torch.empty(n_rows * c * 8, **f32)
-    part = torch.empty(n_rows * c * 2, **f32)
     mask = _as_uint8(mask)
     task_ids = task_ids.to(torch.int64).contiguous() if has_tasks else None
     constexprs = dict(HAS_MASK=mask is not None, HAS_TASKS=has_tasks, C=c, NT=nt, N_FULL=n_full, K=LANE_COLUMNS,
@@ -721,7 +765,7 @@ def launch_cluster_forward(verifier_logits: torch.Tensor, drafter_logits: torch.
 
     def arguments(clusters: int, region: int) -> tuple:
         return (verifier_logits, drafter_logits, verifier_logits.stride(0), drafter_logits.stride(0),
-                mask if mask is not None else ce, task_ids if has_tasks else ce, stats, part, ce, kl, tv, alpha,
+                mask if mask is not None else ce, task_ids if has_tasks else ce, ce, kl, tv, alpha,
                 status, *(sums if has_tasks else [ce] * 4), count if has_tasks else ce, n_rows, vocab, chunk_cols,
                 clusters, region, LOG2E / temperature)
 
