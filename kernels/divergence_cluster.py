@@ -163,19 +163,34 @@ if HAVE_GLUON:
             _issue_tile(piece, t, v_ptr + row64 * stride_v, d_ptr + row64 * stride_d, cols, (cols < c1) & keep, NT, R)
 
     @gluon.jit
-    def _load_piece(addr2, dtype: gl.constexpr):
-        """This lane's 8 16-bit logits of one piece (``addr2`` [R, K]: the piece's address, broadcast over K), as
-        one ``ld.shared.v4``."""
-        return gl.inline_asm_elementwise("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r,r,r,r,r,r,r,r",
-                                         [addr2], dtype=dtype.value, is_pure=False, pack=8)
+    def _load_piece(addr2, IS_BF16: gl.constexpr):
+        """This lane's 8 16-bit logits of one piece as float32 ([R, K]; ``addr2``: the piece's address, broadcast
+        over K): one ``ld.shared.v4`` and one integer op per logit for bf16 (its float32 is the 16 bits shifted up),
+        a ``cvt`` per logit for fp16."""
+        if IS_BF16:
+            asm: gl.constexpr = (
+                "{\n\t.reg .b32 w<4>;\n\tld.shared.v4.b32 {w0, w1, w2, w3}, [$8];\n\t"
+                "shl.b32 $0, w0, 16;\n\tand.b32 $1, w0, 0xffff0000;\n\t"
+                "shl.b32 $2, w1, 16;\n\tand.b32 $3, w1, 0xffff0000;\n\t"
+                "shl.b32 $4, w2, 16;\n\tand.b32 $5, w2, 0xffff0000;\n\t"
+                "shl.b32 $6, w3, 16;\n\tand.b32 $7, w3, 0xffff0000;\n\t}")
+        else:
+            asm: gl.constexpr = (
+                "{\n\t.reg .b32 w<4>;\n\t.reg .b16 h<8>;\n\tld.shared.v4.b32 {w0, w1, w2, w3}, [$8];\n\t"
+                "mov.b32 {h0, h1}, w0;\n\tmov.b32 {h2, h3}, w1;\n\tmov.b32 {h4, h5}, w2;\n\t"
+                "mov.b32 {h6, h7}, w3;\n\tcvt.f32.f16 $0, h0;\n\tcvt.f32.f16 $1, h1;\n\tcvt.f32.f16 $2, h2;\n\t"
+                "cvt.f32.f16 $3, h3;\n\tcvt.f32.f16 $4, h4;\n\tcvt.f32.f16 $5, h5;\n\tcvt.f32.f16 $6, h6;\n\t"
+                "cvt.f32.f16 $7, h7;\n\t}")
+        return gl.inline_asm_elementwise(asm, "=f,=f,=f,=f,=f,=f,=f,=f,r,r,r,r,r,r,r,r", [addr2], dtype=gl.float32,
+                                         is_pure=False, pack=8)
 
     @gluon.jit
     def _raw_tile(piece2, t, c0, c1, offs2, dtype: gl.constexpr, MASKED: gl.constexpr, NT: gl.constexpr,
                   TILE_: gl.constexpr, R: gl.constexpr):
         """Tile ``t`` of both chunks as unscaled float32 logits ([R, K]); -inf outside the chunk when ``MASKED``.
         ``piece2``: each lane's address of piece (0, 0, lane), broadcast over K."""
-        rx = _load_piece(piece2 + t * (R * 16), dtype).to(gl.float32)
-        ry = _load_piece(piece2 + (NT + t) * (R * 16), dtype).to(gl.float32)
+        rx = _load_piece(piece2 + t * (R * 16), dtype == gl.bfloat16)
+        ry = _load_piece(piece2 + (NT + t) * (R * 16), dtype == gl.bfloat16)
         if MASKED:
             inb = (c0 + t * TILE_ + offs2) < c1
             rx = gl.where(inb, rx, float("-inf"))
