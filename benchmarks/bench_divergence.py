@@ -8,8 +8,8 @@ extra columns (inputs_gib, gbps = bytes of the inputs read once / median time).
 before it (inputs excluded), i.e. the extra memory the op needs, gradients included (``.grad`` is dropped first).
 
 ``specdec_v1`` is the first version's kernel (one program per row, 2048-column tiles, 4 warps, sums reduced per tile,
-no pipelining: ``V1_SETTINGS``), timed in the same process for comparison; ``specdec_row`` (loss rows only) is the
-current one-program-per-row kernel with the cluster loss kernel of ``kernels/divergence_cluster.py`` turned off.
+no pipelining: ``V1_SETTINGS``), timed in the same process for comparison; ``specdec_row`` is the current
+one-program-per-row kernel with the cluster kernels of ``kernels/divergence_cluster.py`` turned off.
 The loss rows (``ce_loss``) time
 ``divergence_loss(..., check_inputs=False)`` as the forward rows time ``divergence(..., check_inputs=False)``: like
 the eager, compiled and Liger providers, no host sync; ``specdec_checked`` is the default ``check_inputs=True``
@@ -39,7 +39,7 @@ from specdec.kernels import divergence as kdiv
 
 QUANTILES = [0.5, 0.2, 0.8]
 V1_SETTINGS = dict(split=0, block=2048, num_warps=4, pass1=0, stages2=1, cluster=0)
-ROW_LOSS_SETTINGS = dict(cluster=0)  # the loss without the cluster kernel (session 12): the row kernel's current code
+ROW_SETTINGS = dict(cluster=0)  # without the cluster kernels (sessions 12-13): the row kernel's current code
 
 
 def eager_forward(v: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -214,6 +214,8 @@ def main() -> None:
         # ---- forward: CE, KL, TV (and alpha) per token ----
         safe("divergence", "specdec", n, v, "fwd", lambda: sd.divergence(ver, dra, check_inputs=False),  # noqa: B023
              inputs_bytes, rep)
+        with_config(ROW_SETTINGS, safe, "divergence", "specdec_row", n, v, "fwd",
+                    lambda: sd.divergence(ver, dra, check_inputs=False), inputs_bytes, rep)  # noqa: B023
         with_config(V1_SETTINGS, safe, "divergence", "specdec_v1", n, v, "fwd",
                     lambda: sd.divergence(ver, dra, check_inputs=False), inputs_bytes, rep)  # noqa: B023
         safe("divergence", "eager", n, v, "fwd", lambda: eager_forward(ver, dra), inputs_bytes, rep)  # noqa: B023
@@ -252,7 +254,7 @@ def main() -> None:
 
         safe("ce_loss", "specdec", n, v, "fwd+bwd", run_specdec, inputs_bytes, rep, drop_grad)
         safe("ce_loss", "specdec_checked", n, v, "fwd+bwd", run_specdec_checked, inputs_bytes, rep, drop_grad)
-        with_config(ROW_LOSS_SETTINGS, safe, "ce_loss", "specdec_row", n, v, "fwd+bwd", run_specdec, inputs_bytes,
+        with_config(ROW_SETTINGS, safe, "ce_loss", "specdec_row", n, v, "fwd+bwd", run_specdec, inputs_bytes,
                     rep, drop_grad)
         with_config(V1_SETTINGS, safe, "ce_loss", "specdec_v1", n, v, "fwd+bwd", run_specdec, inputs_bytes, rep,
                     drop_grad)
