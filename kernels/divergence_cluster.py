@@ -1,31 +1,40 @@
 """Cluster kernels (Hopper): the divergence forward and the loss with its gradient, each logit read from DRAM once.
 
-The one-program-per-row loss (``kernels/divergence.py``) must read every row twice: pass 1 needs the whole row
-before pass 2 can write ``(q - p)``, and a 608 KB row pair (V = 151936, bf16) does not stay in L2 while 1000+ rows
-are in flight. Here a row is split over the ``C`` CTAs of a thread-block cluster (``C`` consecutive programs; CTA
-``rank`` owns columns ``[rank * chunk_cols, (rank + 1) * chunk_cols)``). Each persistent cluster walks rows
-``cid, cid + n_clusters, ...``; per row each CTA
+The one-program-per-row kernels (``kernels/divergence.py``) read every row twice: TV / alpha and the gradient need
+the row's normalisers, i.e. the whole row, and a 608 KB row pair (V = 151936, bf16) does not stay in L2 while 1000+
+rows are in flight. Here a row is split over the ``C`` CTAs of a thread-block cluster (``C`` consecutive programs;
+CTA ``rank`` owns columns ``[rank * chunk_cols, (rank + 1) * chunk_cols)``), whose chunks of both rows fit in shared
+memory. Each persistent cluster walks rows ``cid, cid + n_clusters, ...``; per row each CTA
 
-1. copies its chunk of both logit rows into shared memory (``cp.async``, issued as soon as the previous row is done),
-2. computes per-lane online statistics over the chunk (base 2: ``x = v log2(e) / T``, ``y = d log2(e) / T``; maxima
-   ``mx, my``, normalisers ``sx = sum 2^(x - mx)``, ``sy = sum 2^(y - my)``, ``t = sum 2^(x - mx) (y - my)``), combines
-   the lanes and publishes the chunk's statistics to a ``[N, C, 8]`` float32 scratch,
-3. waits on the hardware cluster barrier (inline PTX ``barrier.cluster.arrive.release`` / ``wait.acquire``),
-   combines the row's ``C`` chunk statistics into the row's ``Mx, Sx, My, Sy`` and ``t_row`` (relative to ``My``):
-   ``lp = Mx + log2 Sx``, ``lq = My + log2 Sy``, ``H(p, q) = ln2 (log2 Sy - t_row / Sx)``,
-4. writes ``grad = w (2^(y - lq) - 2^(x - lp))`` (``w = weight_n * grad_scale / T``, divided by ``max(count, 1)``
-   for a masked mean) for its chunk from shared memory, in the gradient's dtype.
+1. reduces its chunk tile by tile as the tiles land (``cp.async``, one commit group per tile): per-lane online
+   statistics in base 2 (``x = v log2(e) / T``, ``y = d log2(e) / T``): maxima ``mx, my``, normalisers
+   ``sx = sum 2^(x - mx)``, ``sy = sum 2^(y - my)``, and ``sum 2^(x - mx) (x - mx)``, ``sum 2^(x - mx) (x - y)``
+   (forward) or ``sum 2^(x - mx) (y - my)`` (loss); a chunk with a ``-inf`` verifier logit is redone with selects
+   (``_lane_stats``) so that the common case pays none,
+2. combines its lanes and pushes the chunk's statistics into every CTA of the cluster (distributed shared memory),
+   waits on the hardware cluster barrier (``barrier.cluster.arrive.release`` / ``wait.acquire``), and combines the
+   row's ``C`` chunks: ``lp = Mx + log2 Sx``, ``lq = My + log2 Sy``, H(p, q), KL(p || q),
+3. makes a second pass over its chunk *in shared memory*: the forward sums ``|p - q|`` and ``min(p, q)`` (pushed to
+   CTA 0, which finishes TV and alpha after the next barrier, in a fixed order), the loss writes
+   ``grad = w (2^(y - lq) - 2^(x - lp))`` (``w = weight_n * grad_scale / T``, divided by ``max(count, 1)`` for a
+   masked mean) in the gradient's dtype; each tile, once read, is refilled with the next row's copy, so the next
+   row streams in while this one finishes.
 
-Traffic: both inputs read once, the gradient written once (3 units of [N, V] instead of the row kernel's 5).
-Measured on an H100 (NOTES_divergence.md, "Session 12"): at 1024 x 151936 bf16 the launch takes 435 us against the
-row kernel's 653 us, and the whole ``divergence_loss`` forward + backward 0.454 ms against 0.707 ms.
+Traffic: both inputs read once (+ the gradient written once): 2 units of [N, V] for the forward (row kernel: 4), 3 for
+the loss (row kernel: 5). Every thread copies and reads only its own 16-byte pieces, so the row chunks are reached
+through inline PTX (``ld.shared``, ``cp.async``) in a region after the compiler's own shared memory, where the
+compiler's analysis would otherwise put a CTA-wide barrier before every copy and read. Measured (NOTES_divergence.md,
+"Session 13"; bf16, kernel only): forward 16384 x 151936 4.64 ms on an H100 (74% of copy; row kernel 6.44 ms) and
+4.61 ms on an H200 (row kernel 4.64-4.98); loss 5.50 ms (H100, row 8.30) and 4.60-4.64 ms (H200, row 5.85-5.94).
 
 Triton 3.6 (the GPU machine's) has no cluster launch API for ordinary kernels, but its launcher already passes the
 kernel's ``num_ctas`` to ``cuLaunchKernelEx`` as the cluster dimension: the kernel is compiled as an ordinary one-CTA
-program and its launch metadata is patched to ``num_ctas = C`` (``_patch_cluster``). The kernel is written in Gluon
-(Triton's explicit-layout dialect) because it needs shared memory and ``cp.async``. Anything unexpected (another
-Triton, a compile error) turns the path off for the process, with a warning, and the row kernel runs instead.
+program and its launch metadata is patched to ``num_ctas = C`` and the region's shared-memory size
+(``_patch_cluster``). The kernels are written in Gluon (Triton's explicit-layout dialect). Anything unexpected
+(another Triton, a compile error, a refused launch) turns the path off for the process, with a warning, and the row
+kernels run instead.
 """
+
 
 from __future__ import annotations
 

@@ -173,6 +173,9 @@ def divergence(
 
     Returns:
         :class:`DivergenceOutput` with four [N] float32 tensors and ``per_task`` (float64 sums, int64 counts).
+        On Hopper GPUs with bf16/fp16 logits (V >= 32000, a multiple of 16) the Triton path splits each row over a
+        thread-block cluster and reads the logits once (``kernels/divergence_cluster.py``); elsewhere one program
+        per row reads them twice.
     """
     num_rows, _ = _check_logit_pair(verifier_logits, drafter_logits, "verifier_logits", "drafter_logits")
     temperature = check_temperature(temperature)
@@ -271,8 +274,8 @@ def divergence_loss(
         computed during the forward pass (one extra write of [N, V] in the drafter's dtype, no [N, V] float32
         intermediates) and scaled in place by the incoming gradient on the device, so one backward per graph: a
         second backward through the same graph (``retain_graph=True``) raises RuntimeError. On Hopper GPUs with
-        bf16/fp16 logits (V a multiple of 16) the kernel splits each row over a thread-block cluster and reads the
-        logits once (``kernels/divergence_cluster.py``); elsewhere one program per row reads them twice.
+        bf16/fp16 logits (V >= 32000, a multiple of 16) the kernel splits each row over a thread-block cluster and
+        reads the logits once (``kernels/divergence_cluster.py``); elsewhere one program per row reads them twice.
     """
     num_rows, _ = _check_logit_pair(drafter_logits, verifier_logits, "drafter_logits", "verifier_logits")
     temperature = check_temperature(temperature, allow_zero=False)
