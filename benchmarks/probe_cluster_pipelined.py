@@ -45,21 +45,24 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a[ok] - b[ok]).abs() / (1e-3 + b[ok].abs())).max())
 
 
-def measure(n: int, v: int, env: dict, copy_gbs: float, old, passes: str, soft_settings: list[int]) -> list[dict]:
+def measure(n: int, v: int, env: dict, copy_gbs: float, old, passes: str, soft_settings: list[int],
+            lane_settings: list[int]) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(n + v)
     ver = torch.randn(n, v, device="cuda", generator=g, dtype=torch.bfloat16) * 2
     dra = (ver.float() + torch.randn(n, v, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
     grad = torch.empty_like(dra)
     rows = []
 
-    def fwd(cluster: int, soft: int = 0):
+    def fwd(cluster: int, soft: int = 0, lane_columns: int = 8):
         kdiv.set_config(cluster=cluster, cluster_forward=cluster, cluster_min_vocab=0)
         kc.PASS2_SOFT_EXP = soft
+        kc.LANE_COLUMNS, kc.TILE = lane_columns, 32 * kc.NUM_WARPS * lane_columns
         return kdiv.launch_divergence(ver, dra, 1.0)
 
-    def loss(cluster: int, soft: int = 0):
+    def loss(cluster: int, soft: int = 0, lane_columns: int = 8):
         kdiv.set_config(cluster=cluster, cluster_min_vocab=0)
         kc.PASS2_SOFT_EXP = soft
+        kc.LANE_COLUMNS, kc.TILE = lane_columns, 32 * kc.NUM_WARPS * lane_columns
         return kdiv.launch_divergence(ver, dra, 1.0, compute_tv=False, grad_out=grad, grad_scale=1.0 / n)
 
     providers = {}
@@ -68,6 +71,8 @@ def measure(n: int, v: int, env: dict, copy_gbs: float, old, passes: str, soft_s
         providers[("forward", "cluster")] = lambda: fwd(1)
         for soft in soft_settings:
             providers[("forward", f"cluster_soft{soft}")] = lambda soft=soft: fwd(1, soft)
+        for k in lane_settings:
+            providers[("forward", f"cluster_k{k}")] = lambda k=k: fwd(1, 0, k)
         if v == 151936:
             from benchmarks.probe_cluster_smem import launch_smem_cluster_v4
 
@@ -78,6 +83,8 @@ def measure(n: int, v: int, env: dict, copy_gbs: float, old, passes: str, soft_s
         providers[("loss", "cluster")] = lambda: loss(1)
         for soft in soft_settings:
             providers[("loss", f"cluster_soft{soft}")] = lambda soft=soft: loss(1, soft)
+        for k in lane_settings:
+            providers[("loss", f"cluster_k{k}")] = lambda k=k: loss(1, 0, k)
         if old is not None:
             providers[("loss", "cluster_s12")] = lambda: old.launch_cluster_loss(ver, dra, 1.0, grad,
                                                                                  grad_scale=1.0 / n)
@@ -107,6 +114,7 @@ def measure(n: int, v: int, env: dict, copy_gbs: float, old, passes: str, soft_s
             times[key].append(time_graph([fn], replays=10, target_ms=20.0))
     kdiv.set_config()
     kc.PASS2_SOFT_EXP = 0
+    kc.LANE_COLUMNS, kc.TILE = 8, 32 * kc.NUM_WARPS * 8
     for (kind, name), samples in times.items():
         units = 2 if kind == "forward" else 3  # bytes the op must move, in [N, V] bf16 units
         best = min(samples)
@@ -127,6 +135,7 @@ def main() -> None:
     parser.add_argument("--out", default=".")
     parser.add_argument("--shapes", default="16384:151936,4096:151936,1024:151936,16384:32000")
     parser.add_argument("--passes", default="fwd,loss")
+    parser.add_argument("--lane-columns", default="", help="comma-separated LANE_COLUMNS (K) settings to time as well")
     parser.add_argument("--soft", default="", help="comma-separated PASS2_SOFT_EXP settings to time as well (needs "
                         "results/divergence_cluster_fma_exp_attempt_s13.diff applied)")
     args = parser.parse_args()
@@ -137,8 +146,8 @@ def main() -> None:
     rows = []
     for shape in args.shapes.split(","):
         n, v = (int(x) for x in shape.split(":"))
-        rows += measure(n, v, env, copy_gbs, old, args.passes,
-                        [int(x) for x in args.soft.split(",") if x])
+        rows += measure(n, v, env, copy_gbs, old, args.passes, [int(x) for x in args.soft.split(",") if x],
+                        [int(x) for x in args.lane_columns.split(",") if x])
         torch.cuda.empty_cache()
     path = os.path.join(args.out, f"cluster_pipelined_{env['gpu'].replace(' ', '_')}.csv")
     with open(path, "w", newline="") as fh:

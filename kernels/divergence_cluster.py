@@ -155,21 +155,23 @@ if HAVE_GLUON:
         gl.inline_asm_elementwise(asm + "\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _issue_tile(piece, t, v_row, d_row, cols, live, NT: gl.constexpr, R: gl.constexpr):
+    def _issue_tile(piece, t, v_row, d_row, cols, live, NT: gl.constexpr, R: gl.constexpr, K: gl.constexpr):
         """Tile ``t`` of both rows (``v_row``, ``d_row``: row pointers; ``cols`` [R]: each lane's first column,
         ``live`` [R]) as one commit group; ``piece`` [R]: each lane's byte address of piece (0, 0, lane)."""
-        _copy_piece(piece + t * (R * 16), v_row + cols, live)
-        _copy_piece(piece + (NT + t) * (R * 16), d_row + cols, live)
+        for j in gl.static_range(K // 8):
+            _copy_piece(piece + t * (R * K * 2) + 16 * j, v_row + cols + 8 * j, live)
+            _copy_piece(piece + (NT + t) * (R * K * 2) + 16 * j, d_row + cols + 8 * j, live)
         _commit()
 
     @gluon.jit
     def _issue_row(piece, v_ptr, d_ptr, row, keep, stride_v, stride_d, c0, c1, lane_cols, NT: gl.constexpr,
-                   TILE_: gl.constexpr, R: gl.constexpr):
+                   TILE_: gl.constexpr, R: gl.constexpr, K: gl.constexpr):
         """All ``NT`` tiles of ``row`` (``NT`` commit groups, empty copies when not ``keep``)."""
         row64 = row.to(gl.int64)
         for t in gl.static_range(NT):
             cols = c0 + t * TILE_ + lane_cols
-            _issue_tile(piece, t, v_ptr + row64 * stride_v, d_ptr + row64 * stride_d, cols, (cols < c1) & keep, NT, R)
+            _issue_tile(piece, t, v_ptr + row64 * stride_v, d_ptr + row64 * stride_d, cols, (cols < c1) & keep, NT, R,
+                        K)
 
     @gluon.jit
     def _load_piece(addr2, IS_BF16: gl.constexpr):
@@ -196,10 +198,11 @@ if HAVE_GLUON:
     @gluon.jit
     def _raw_tile(piece2, t, c0, c1, offs2, dtype: gl.constexpr, MASKED: gl.constexpr, NT: gl.constexpr,
                   TILE_: gl.constexpr, R: gl.constexpr):
+        K: gl.constexpr = TILE_ // R
         """Tile ``t`` of both chunks as unscaled float32 logits ([R, K]); -inf outside the chunk when ``MASKED``.
         ``piece2``: each lane's address of piece (0, 0, lane), broadcast over K."""
-        rx = _load_piece(piece2 + t * (R * 16), dtype == gl.bfloat16)
-        ry = _load_piece(piece2 + (NT + t) * (R * 16), dtype == gl.bfloat16)
+        rx = _load_piece(piece2 + t * (R * K * 2), dtype == gl.bfloat16)
+        ry = _load_piece(piece2 + (NT + t) * (R * K * 2), dtype == gl.bfloat16)
         if MASKED:
             inb = (c0 + t * TILE_ + offs2) < c1
             rx = gl.where(inb, rx, float("-inf"))
@@ -428,10 +431,10 @@ if HAVE_GLUON:
         ks = gl.arange(0, K, layout=gl.SliceLayout(0, layout))
         offs2 = gl.expand_dims(lanes, 1) * K + gl.expand_dims(ks, 0)
         smem = _smem_base() + region
-        piece = smem + lanes * 16
-        piece2 = gl.expand_dims(piece, 1) + gl.zeros([R, K], gl.int32, layout)
+        piece = smem + lanes * (K * 2)
+        piece2 = gl.expand_dims(piece, 1) + gl.expand_dims((ks // 8) * 16, 0)  # each 8-column piece's address
         goffs = gl.arange(0, C, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
-        xs = smem + 2 * NT * R * 16  # exchange slots: statistics [2, C] x 32 bytes, then pass-2 sums [2, C] x 8
+        xs = smem + 2 * NT * R * K * 2  # exchange slots: statistics [2, C] x 32 bytes, then pass-2 sums [2, C] x 8
         xp = xs + 2 * C * 32
         return cid, rank, c0, c1, lanes, offs2, piece, piece2, goffs, xs, xp
 
@@ -459,7 +462,7 @@ if HAVE_GLUON:
             w_base = w_base / gl.maximum(gl.load(count_ptr), 1.0)
         n_mine = gl.cdiv(n_rows - cid, n_clusters)
         keep = _row_kept(mask_ptr, cid, n_rows, HAS_MASK)
-        _issue_row(piece, v_ptr, d_ptr, cid, keep, stride_v, stride_d, c0, c1, lanes * K, NT, TILE_, R)
+        _issue_row(piece, v_ptr, d_ptr, cid, keep, stride_v, stride_d, c0, c1, lanes * K, NT, TILE_, R, K)
         for it in range(0, n_mine):
             row = cid + it * n_clusters
             row64 = row.to(gl.int64)
@@ -492,7 +495,7 @@ if HAVE_GLUON:
                     else:
                         gl.store(g_row + cols, g, mask=cols < c1)
                     _issue_tile(piece, t, v_next, d_next, c0 + t * TILE_ + lanes * K,
-                                (c0 + t * TILE_ + lanes * K < c1) & keep_next, NT, R)
+                                (c0 + t * TILE_ + lanes * K < c1) & keep_next, NT, R, K)
                 if rank == 0:
                     ce = LN2 * (log2_sy - t_t / sx_t)
                     # a NaN sum over finite normalisers: an underflowed weight times an infinite difference (p > 0
@@ -507,7 +510,7 @@ if HAVE_GLUON:
                     cols = c0 + t * TILE_ + offs2
                     gl.store(g_row + cols, zero, mask=cols < c1)
                     _issue_tile(piece, t, v_next, d_next, c0 + t * TILE_ + lanes * K,
-                                (c0 + t * TILE_ + lanes * K < c1) & keep_next, NT, R)
+                                (c0 + t * TILE_ + lanes * K < c1) & keep_next, NT, R, K)
                 if rank == 0:
                     gl.store(ce_ptr + row64, 0.0)
                     gl.store(status_ptr + row64, 0)
@@ -539,7 +542,7 @@ if HAVE_GLUON:
         pending_ce = scale2 * 0.0
         pending_kl = scale2 * 0.0
         keep = _row_kept(mask_ptr, cid, n_rows, HAS_MASK)
-        _issue_row(piece, v_ptr, d_ptr, cid, keep, stride_v, stride_d, c0, c1, lanes * K, NT, TILE_, R)
+        _issue_row(piece, v_ptr, d_ptr, cid, keep, stride_v, stride_d, c0, c1, lanes * K, NT, TILE_, R, K)
         for it in range(0, n_mine):
             row = cid + it * n_clusters
             row64 = row.to(gl.int64)
@@ -576,7 +579,7 @@ if HAVE_GLUON:
                     acc_abs += gl.sum(gl.abs(px - qy), 1)
                     acc_min += gl.sum(gl.minimum(px, qy), 1)
                     _issue_tile(piece, t, v_next, d_next, c0 + t * TILE_ + lanes * K,
-                                (c0 + t * TILE_ + lanes * K < c1) & keep_next, NT, R)
+                                (c0 + t * TILE_ + lanes * K < c1) & keep_next, NT, R, K)
                 t_abs, t_min = gl.reduce((acc_abs, acc_min), 0, _add2)
                 zero = gl.zeros_like(acc_abs)
                 _push2(xp + (par * C + rank) * 8 + lanes * 0, lanes * 0, (lanes == 0).to(gl.int32), t_abs + zero,
@@ -600,7 +603,7 @@ if HAVE_GLUON:
                 for t in gl.static_range(NT):
                     cols = c0 + t * TILE_ + offs2
                     _issue_tile(piece, t, v_next, d_next, c0 + t * TILE_ + lanes * K,
-                                (c0 + t * TILE_ + lanes * K < c1) & keep_next, NT, R)
+                                (c0 + t * TILE_ + lanes * K < c1) & keep_next, NT, R, K)
                 if rank == 0:
                     gl.store(ce_ptr + row64, 0.0)
                     gl.store(kl_ptr + row64, 0.0)
