@@ -366,7 +366,7 @@ if HAVE_GLUON:
             (gl.where(live_x, f_x * sx, 0.0), gl.where(live_y, f_y * sy, 0.0),
              gl.where(live_x, f_x * (s3 + shift * sx), 0.0), gl.where(live_x, f_x * s4, 0.0)), 0, _add4)
         zero = gl.zeros_like(mx)
-        _push(slot + lanes * 0, lanes, (lanes < C).to(gl.int32), gmx + zero, c_sx + zero, gmy + zero, c_sy + zero,
+        _push(slot + lanes * 0, lanes % C, (lanes < C).to(gl.int32), gmx + zero, c_sx + zero, gmy + zero, c_sy + zero,
               c_3 + zero, c_4 + zero)
 
     @gluon.jit
@@ -408,11 +408,11 @@ if HAVE_GLUON:
         if HAS_TASKS:
             task = gl.load(task_ptr + row64).to(gl.int64)
             if task >= 0:
-                gl.atomic_add(task_ce_ptr + task, ce.to(gl.float64))
-                gl.atomic_add(task_kl_ptr + task, kl.to(gl.float64))
-                gl.atomic_add(task_tv_ptr + task, tv.to(gl.float64))
-                gl.atomic_add(task_alpha_ptr + task, alpha.to(gl.float64))
-                gl.atomic_add(task_count_ptr + task, 1)
+                gl.atomic_add(task_ce_ptr + task, ce.to(gl.float64), sem="relaxed")
+                gl.atomic_add(task_kl_ptr + task, kl.to(gl.float64), sem="relaxed")
+                gl.atomic_add(task_tv_ptr + task, tv.to(gl.float64), sem="relaxed")
+                gl.atomic_add(task_alpha_ptr + task, alpha.to(gl.float64), sem="relaxed")
+                gl.atomic_add(task_count_ptr + task, 1, sem="relaxed")
 
     @gluon.jit
     def _cta_setup(chunk_cols, vocab, region, C: gl.constexpr, NT: gl.constexpr, K: gl.constexpr,
@@ -420,6 +420,7 @@ if HAVE_GLUON:
         """This CTA's place: cluster ``cid``, ``rank`` in it, its columns ``[c0, c1)``, the lanes ([R]) and their
         columns in a tile (``offs2`` [R, K]), each lane's piece addresses (``piece`` [R], ``piece2`` [R, K]), the
         cluster ranks ``goffs`` [C], and the exchange areas (statistics ``xs``, pass-2 sums ``xp``)."""
+        gl.static_assert(K == 8 or K == 16, "a lane's copies are masked by its first column: K = 8 or 16")
         R: gl.constexpr = 32 * WARPS
         layout: gl.constexpr = gl.BlockedLayout([1, K], [32, 1], [WARPS, 1], [1, 0])
         pid = gl.program_id(0)
@@ -463,6 +464,7 @@ if HAVE_GLUON:
         n_mine = gl.cdiv(n_rows - cid, n_clusters)
         keep = _row_kept(mask_ptr, cid, n_rows, HAS_MASK)
         _issue_row(piece, v_ptr, d_ptr, cid, keep, stride_v, stride_d, c0, c1, lanes * K, NT, TILE_, R, K)
+        _cluster_barrier()  # every CTA of the cluster runs before any writes into another's shared memory
         for it in range(0, n_mine):
             row = cid + it * n_clusters
             row64 = row.to(gl.int64)
@@ -543,6 +545,7 @@ if HAVE_GLUON:
         pending_kl = scale2 * 0.0
         keep = _row_kept(mask_ptr, cid, n_rows, HAS_MASK)
         _issue_row(piece, v_ptr, d_ptr, cid, keep, stride_v, stride_d, c0, c1, lanes * K, NT, TILE_, R, K)
+        _cluster_barrier()  # every CTA of the cluster runs before any writes into another's shared memory
         for it in range(0, n_mine):
             row = cid + it * n_clusters
             row64 = row.to(gl.int64)
@@ -601,7 +604,6 @@ if HAVE_GLUON:
             else:
                 _wait(0)  # this row's (empty) copies land before the slot is refilled
                 for t in gl.static_range(NT):
-                    cols = c0 + t * TILE_ + offs2
                     _issue_tile(piece, t, v_next, d_next, c0 + t * TILE_ + lanes * K,
                                 (c0 + t * TILE_ + lanes * K < c1) & keep_next, NT, R, K)
                 if rank == 0:
@@ -693,6 +695,13 @@ def region_bytes(cluster_size: int, nt: int) -> int:
 
 def _launch(kernel, key: tuple, arguments, constexprs: dict, c: int, nt: int, n_rows: int,
             device: torch.device) -> bool:
+    """``_launch_here`` with ``device`` current (the compiled kernel and its launch use the current device)."""
+    with torch.cuda.device(device):
+        return _launch_here(kernel, key, arguments, constexprs, c, nt, n_rows, device)
+
+
+def _launch_here(kernel, key: tuple, arguments, constexprs: dict, c: int, nt: int, n_rows: int,
+                 device: torch.device) -> bool:
     """Launch ``kernel`` as persistent clusters of ``c`` CTAs (``arguments(n_clusters, region)``: its runtime
     arguments). The first call per ``key`` compiles it, places the row-chunk region after the compiler's own shared
     memory (``region``, 128-byte aligned; ``2 * nt * TILE`` 16-bit entries), sizes the grid with the occupancy API
@@ -708,6 +717,7 @@ def _launch(kernel, key: tuple, arguments, constexprs: dict, c: int, nt: int, n_
                 region = -(-compiled.metadata.shared // 128) * 128
                 compiled.metadata = compiled.metadata._replace(shared=region + region_bytes(c, nt))
                 compiled._specdec_region = region
+                compiled.module = None  # (re)load below with the new size: it sets the function's shared-memory limit
             compiled._init_handles()  # after the shared-memory size is final: it sets the function's limit
             shared = compiled.metadata.shared
             fit = int(triton.runtime.driver.active.utils.cuOccupancyMaxActiveClusters(compiled.function, shared, c))
