@@ -200,7 +200,7 @@ if HAVE_GLUON:
                   TILE_: gl.constexpr, R: gl.constexpr):
         K: gl.constexpr = TILE_ // R
         """Tile ``t`` of both chunks as unscaled float32 logits ([R, K]); -inf outside the chunk when ``MASKED``.
-        ``piece2``: each lane's address of piece (0, 0, lane), broadcast over K."""
+        ``piece2`` [R, K]: the byte address of the 8-column piece each entry of tile 0 of the verifier lies in."""
         rx = _load_piece(piece2 + t * (R * K * 2), dtype == gl.bfloat16)
         ry = _load_piece(piece2 + (NT + t) * (R * K * 2), dtype == gl.bfloat16)
         if MASKED:
@@ -291,8 +291,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _lane_stats(piece2, c0, c1, offs2, scale2, dtype: gl.constexpr, FORWARD: gl.constexpr, NT: gl.constexpr,
                     N_FULL: gl.constexpr, TILE_: gl.constexpr, R: gl.constexpr, layout: gl.constexpr):
-        """Per-lane statistics of the chunk, and whether any lane's sums are NaN (``bad``). The fast pass runs first;
-        a chunk with a NaN sum (an ``x = -inf`` entry, or a NaN logit) is redone with the safe tile."""
+        """Per-lane statistics of the chunk (``mx, my, sx, sy, s3, s4``, each [R]). The fast pass runs first; a chunk
+        where any lane's sums came out NaN (an ``x = -inf`` entry, or a NaN logit) is redone with the safe tile."""
         mx, my, sx, sy, s3, s4 = _lane_pass(piece2, c0, c1, offs2, scale2, dtype, FORWARD, NT, N_FULL, TILE_, R,
                                             layout)
         if FORWARD:
@@ -704,7 +704,7 @@ def _launch_here(kernel, key: tuple, arguments, constexprs: dict, c: int, nt: in
                  device: torch.device) -> bool:
     """Launch ``kernel`` as persistent clusters of ``c`` CTAs (``arguments(n_clusters, region)``: its runtime
     arguments). The first call per ``key`` compiles it, places the row-chunk region after the compiler's own shared
-    memory (``region``, 128-byte aligned; ``2 * nt * TILE`` 16-bit entries), sizes the grid with the occupancy API
+    memory (``region``, 128-byte aligned; ``region_bytes`` long), sizes the grid with the occupancy API
     and patches the launch; later calls launch the compiled kernel directly (no JIT dispatch). False (after a
     warning, for the rest of the process) if it cannot be built or launched as a cluster."""
     if key not in _COMPILED:
