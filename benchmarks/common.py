@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import statistics
 from collections.abc import Callable
 
@@ -109,3 +110,11 @@ def environment() -> dict[str, str]:
         "triton": triton.__version__,
         "flashinfer": fi_version,
     }
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    """Result rows (dicts with the same keys, in order) as a CSV file with a header."""
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)

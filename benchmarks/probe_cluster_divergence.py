@@ -27,7 +27,6 @@ NOTES_divergence.md, "Session 12", has the outcome.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 import traceback
@@ -36,7 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import environment, measure_copy_bandwidth, time_graph  # noqa: E402
+from benchmarks.common import environment, measure_copy_bandwidth, time_graph, write_csv  # noqa: E402
 from benchmarks.probe_cluster_kernels import launch_cluster_forward, launch_cluster_stream  # noqa: E402
 from kernels.divergence import launch_divergence  # noqa: E402
 from kernels.divergence_reference import divergence_reference  # noqa: E402
@@ -171,10 +170,7 @@ def main() -> None:
         del a, b
         torch.cuda.empty_cache()
     path = os.path.join(args.out, f"cluster_probe_{env['gpu'].replace(' ', '_')}.csv")
-    with open(path, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(path, rows)
     log(f"wrote {path}")
 
 

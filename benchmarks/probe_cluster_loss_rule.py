@@ -9,7 +9,6 @@ bf16 shapes across vocabularies; checks that both give the same H(p, q). Prints 
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 
@@ -17,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import environment, time_graph  # noqa: E402
+from benchmarks.common import environment, time_graph, write_csv  # noqa: E402
 from kernels import divergence as kdiv  # noqa: E402
 from kernels import divergence_cluster as kc  # noqa: E402
 
@@ -67,10 +66,7 @@ def main() -> None:
         rows += measure(n, v, env)
         torch.cuda.empty_cache()
     path = os.path.join(args.out, f"cluster_loss_rule_{env['gpu'].replace(' ', '_')}.csv")
-    with open(path, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(path, rows)
 
 
 if __name__ == "__main__":

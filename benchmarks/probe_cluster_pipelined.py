@@ -9,6 +9,9 @@ provider timed twice, alternating:
 * loss (H(p, q) and the drafter gradient): ``row``, ``cluster``, and ``cluster_s12`` (session 12's loss kernel, read
   from ``.gpu_data/cluster_s12.py`` = ``git show 31c5fad:kernels/divergence_cluster.py`` when that file is there).
 
+``--lane-columns 16`` adds ``cluster_k16`` (K columns per lane; run ``f``). Run ``e`` (``cluster_soft*``) timed
+``results/divergence_cluster_fma_exp_attempt_s13.diff`` applied, with a ``--soft`` option since removed.
+
 Each cluster provider is first checked against the row kernel on the same inputs (``check`` lines). Writes
 ``cluster_pipelined_<gpu>.csv`` to ``--out``; NOTES_divergence.md, "Session 13", has the outcome.
 """
@@ -16,7 +19,6 @@ Each cluster provider is first checked against the row kernel on the same inputs
 from __future__ import annotations
 
 import argparse
-import csv
 import importlib.util
 import os
 import sys
@@ -25,9 +27,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import environment, measure_copy_bandwidth, time_graph  # noqa: E402
+from benchmarks.common import environment, measure_copy_bandwidth, time_graph, write_csv  # noqa: E402
 from kernels import divergence as kdiv  # noqa: E402
 from kernels import divergence_cluster as kc  # noqa: E402
+
+DEFAULT_LANE_COLUMNS = kc.LANE_COLUMNS
 
 
 def _old_cluster_module():
@@ -45,7 +49,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a[ok] - b[ok]).abs() / (1e-3 + b[ok].abs())).max())
 
 
-def measure(n: int, v: int, env: dict, copy_gbs: float, old, passes: str, soft_settings: list[int],
+def measure(n: int, v: int, env: dict, copy_gbs: float, old, kinds: list[str],
             lane_settings: list[int]) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(n + v)
     ver = torch.randn(n, v, device="cuda", generator=g, dtype=torch.bfloat16) * 2
@@ -53,41 +57,26 @@ def measure(n: int, v: int, env: dict, copy_gbs: float, old, passes: str, soft_s
     grad = torch.empty_like(dra)
     rows = []
 
-    def fwd(cluster: int, soft: int = 0, lane_columns: int = 8):
+    def launch(kind: str, cluster: int, lane_columns: int = DEFAULT_LANE_COLUMNS):
         kdiv.set_config(cluster=cluster, cluster_forward=cluster, cluster_min_vocab=0)
-        kc.PASS2_SOFT_EXP = soft
         kc.LANE_COLUMNS, kc.TILE = lane_columns, 32 * kc.NUM_WARPS * lane_columns
-        return kdiv.launch_divergence(ver, dra, 1.0)
-
-    def loss(cluster: int, soft: int = 0, lane_columns: int = 8):
-        kdiv.set_config(cluster=cluster, cluster_min_vocab=0)
-        kc.PASS2_SOFT_EXP = soft
-        kc.LANE_COLUMNS, kc.TILE = lane_columns, 32 * kc.NUM_WARPS * lane_columns
+        if kind == "forward":
+            return kdiv.launch_divergence(ver, dra, 1.0)
         return kdiv.launch_divergence(ver, dra, 1.0, compute_tv=False, grad_out=grad, grad_scale=1.0 / n)
 
     providers = {}
-    if "fwd" in passes:
-        providers[("forward", "row")] = lambda: fwd(0)
-        providers[("forward", "cluster")] = lambda: fwd(1)
-        for soft in soft_settings:
-            providers[("forward", f"cluster_soft{soft}")] = lambda soft=soft: fwd(1, soft)
+    for kind in kinds:
+        providers[(kind, "row")] = lambda kind=kind: launch(kind, 0)
+        providers[(kind, "cluster")] = lambda kind=kind: launch(kind, 1)
         for k in lane_settings:
-            providers[("forward", f"cluster_k{k}")] = lambda k=k: fwd(1, 0, k)
-        if v == 151936:
-            from benchmarks.probe_cluster_smem import launch_smem_cluster_v4
+            providers[(kind, f"cluster_k{k}")] = lambda kind=kind, k=k: launch(kind, 1, k)
+    if "forward" in kinds and v == 151936:
+        from benchmarks.probe_cluster_smem import launch_smem_cluster_v4
 
-            providers[("forward", "w")] = lambda: launch_smem_cluster_v4(ver, dra, 1.0, k=8, num_warps=4,
-                                                                         cluster_size=8, per_sm=2)
-    if "loss" in passes:
-        providers[("loss", "row")] = lambda: loss(0)
-        providers[("loss", "cluster")] = lambda: loss(1)
-        for soft in soft_settings:
-            providers[("loss", f"cluster_soft{soft}")] = lambda soft=soft: loss(1, soft)
-        for k in lane_settings:
-            providers[("loss", f"cluster_k{k}")] = lambda k=k: loss(1, 0, k)
-        if old is not None:
-            providers[("loss", "cluster_s12")] = lambda: old.launch_cluster_loss(ver, dra, 1.0, grad,
-                                                                                 grad_scale=1.0 / n)
+        providers[("forward", "w")] = lambda: launch_smem_cluster_v4(ver, dra, 1.0, k=8, num_warps=4, cluster_size=8,
+                                                                     per_sm=2)
+    if "loss" in kinds and old is not None:
+        providers[("loss", "cluster_s12")] = lambda: old.launch_cluster_loss(ver, dra, 1.0, grad, grad_scale=1.0 / n)
     # correctness against the row kernel on the same inputs
     for kind in ("forward", "loss"):
         if (kind, "row") not in providers:
@@ -113,8 +102,7 @@ def measure(n: int, v: int, env: dict, copy_gbs: float, old, passes: str, soft_s
         for key, fn in providers.items():
             times[key].append(time_graph([fn], replays=10, target_ms=20.0))
     kdiv.set_config()
-    kc.PASS2_SOFT_EXP = 0
-    kc.LANE_COLUMNS, kc.TILE = 8, 32 * kc.NUM_WARPS * 8
+    kc.LANE_COLUMNS, kc.TILE = DEFAULT_LANE_COLUMNS, 32 * kc.NUM_WARPS * DEFAULT_LANE_COLUMNS
     for (kind, name), samples in times.items():
         units = 2 if kind == "forward" else 3  # bytes the op must move, in [N, V] bf16 units
         best = min(samples)
@@ -136,24 +124,19 @@ def main() -> None:
     parser.add_argument("--shapes", default="16384:151936,4096:151936,1024:151936,16384:32000")
     parser.add_argument("--passes", default="fwd,loss")
     parser.add_argument("--lane-columns", default="", help="comma-separated LANE_COLUMNS (K) settings to time as well")
-    parser.add_argument("--soft", default="", help="comma-separated PASS2_SOFT_EXP settings to time as well (needs "
-                        "results/divergence_cluster_fma_exp_attempt_s13.diff applied)")
     args = parser.parse_args()
     env = environment()
     copy_gbs = measure_copy_bandwidth()
     print(f"gpu={env['gpu']} copy={copy_gbs:.0f} GB/s", flush=True)
     old = _old_cluster_module()
     rows = []
+    kinds = [{"fwd": "forward", "loss": "loss"}[p] for p in args.passes.split(",")]
     for shape in args.shapes.split(","):
         n, v = (int(x) for x in shape.split(":"))
-        rows += measure(n, v, env, copy_gbs, old, args.passes, [int(x) for x in args.soft.split(",") if x],
-                        [int(x) for x in args.lane_columns.split(",") if x])
+        rows += measure(n, v, env, copy_gbs, old, kinds, [int(x) for x in args.lane_columns.split(",") if x])
         torch.cuda.empty_cache()
     path = os.path.join(args.out, f"cluster_pipelined_{env['gpu'].replace(' ', '_')}.csv")
-    with open(path, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(path, rows)
 
 
 if __name__ == "__main__":

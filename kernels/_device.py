@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -41,3 +42,8 @@ def device_name(device: torch.device) -> str:
 def major_capability(device: torch.device) -> int:
     """Major compute capability of a CUDA device (9 on Hopper); 0 elsewhere."""
     return _cuda_major(_index(device)) if device.type == "cuda" else 0
+
+
+def launching_on(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make a CUDA ``device`` current for a launch (Triton launches on the current device); a no-op elsewhere."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

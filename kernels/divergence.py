@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from ._device import device_name, major_capability, sm_count
+from ._device import device_name, launching_on, major_capability, sm_count
 from .divergence_cluster import cluster_eligible, launch_cluster_forward, launch_cluster_loss
 
 LOG2E = 1.4426950408889634
@@ -592,19 +592,28 @@ def launch_divergence(
     alpha are None when ``compute_tv`` is False; per_task a tuple of 4 float64 sums and an int64 count, or None).
 
     ``grad_out`` ([N, V], may be ``drafter_logits`` itself for an in-place gradient) receives
-    ``weights[n] * grad_scale * (q - p) / T`` in its own dtype.
+    ``weights[n] * grad_scale * (q - p) / T`` in its own dtype. Launches on the inputs' device.
     """
+    with launching_on(verifier_logits.device):
+        return _launch_divergence(verifier_logits, drafter_logits, temperature, mask, task_ids, num_tasks,
+                                  compute_tv, grad_out, weights, grad_scale, grad_count)
+
+
+def _launch_divergence(verifier_logits, drafter_logits, temperature, mask, task_ids, num_tasks, compute_tv,
+                       grad_out, weights, grad_scale, grad_count) -> tuple[torch.Tensor, ...]:
+    """``launch_divergence`` with its device current."""
     verifier_logits = _row_major(verifier_logits)
     drafter_logits = _row_major(drafter_logits)
     # the kernel indexes [N] side inputs with unit stride
     mask, task_ids, weights = (t.contiguous() if t is not None else None for t in (mask, task_ids, weights))
     n_rows, vocab = verifier_logits.shape
     device = verifier_logits.device
-    if (_CONFIG["cluster"] and not _CONFIG["split"] and (grad_out is None) == compute_tv
-            and (grad_out is not None or _CONFIG["cluster_forward"])
+    cluster_loss = grad_out is not None and not compute_tv
+    cluster_forward = grad_out is None and compute_tv and _CONFIG["cluster_forward"]
+    if ((cluster_loss or cluster_forward) and _CONFIG["cluster"] and not _CONFIG["split"]
             and cluster_eligible(verifier_logits, drafter_logits, grad_out, major_capability(device),
                                  _CONFIG["cluster_min_vocab"])):
-        if grad_out is not None:
+        if cluster_loss:
             out = launch_cluster_loss(verifier_logits, drafter_logits, temperature, grad_out, mask=mask,
                                       weights=weights, grad_scale=grad_scale, grad_count=grad_count)
             if out is not None:

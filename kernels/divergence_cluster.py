@@ -35,7 +35,6 @@ program and its launch metadata is patched to ``num_ctas = C`` and the region's 
 kernels run instead.
 """
 
-
 from __future__ import annotations
 
 import os
@@ -43,6 +42,8 @@ import warnings
 
 import torch
 import triton
+
+from ._device import sm_count
 
 try:
     from triton.experimental import gluon
@@ -61,6 +62,8 @@ TILE = 32 * NUM_WARPS * LANE_COLUMNS
 
 
 if HAVE_GLUON:
+    # cp.async.wait_group takes an immediate: one string per count (a chunk has at most 13 tiles, see cluster_layout)
+    _WAIT_GROUP_ASM = gl.constexpr(tuple(f"cp.async.wait_group {n};\n\tmov.u32 $0, 0;" for n in range(16)))
 
     @gluon.jit
     def _exp2(x):
@@ -119,59 +122,26 @@ if HAVE_GLUON:
     @gluon.jit
     def _wait(N: gl.constexpr):
         """``cp.async.wait_group N``: at most ``N`` of this thread's newest commit groups still in flight."""
-        gl.static_assert(N < 16, "at most 16 tiles per chunk")
-        if N == 0:
-            asm: gl.constexpr = "cp.async.wait_group 0;"
-        elif N == 1:
-            asm: gl.constexpr = "cp.async.wait_group 1;"
-        elif N == 2:
-            asm: gl.constexpr = "cp.async.wait_group 2;"
-        elif N == 3:
-            asm: gl.constexpr = "cp.async.wait_group 3;"
-        elif N == 4:
-            asm: gl.constexpr = "cp.async.wait_group 4;"
-        elif N == 5:
-            asm: gl.constexpr = "cp.async.wait_group 5;"
-        elif N == 6:
-            asm: gl.constexpr = "cp.async.wait_group 6;"
-        elif N == 7:
-            asm: gl.constexpr = "cp.async.wait_group 7;"
-        elif N == 8:
-            asm: gl.constexpr = "cp.async.wait_group 8;"
-        elif N == 9:
-            asm: gl.constexpr = "cp.async.wait_group 9;"
-        elif N == 10:
-            asm: gl.constexpr = "cp.async.wait_group 10;"
-        elif N == 11:
-            asm: gl.constexpr = "cp.async.wait_group 11;"
-        elif N == 12:
-            asm: gl.constexpr = "cp.async.wait_group 12;"
-        elif N == 13:
-            asm: gl.constexpr = "cp.async.wait_group 13;"
-        elif N == 14:
-            asm: gl.constexpr = "cp.async.wait_group 14;"
-        else:
-            asm: gl.constexpr = "cp.async.wait_group 15;"
-        gl.inline_asm_elementwise(asm + "\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise(_WAIT_GROUP_ASM[N], "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _issue_tile(piece, t, v_row, d_row, cols, live, NT: gl.constexpr, R: gl.constexpr, K: gl.constexpr):
-        """Tile ``t`` of both rows (``v_row``, ``d_row``: row pointers; ``cols`` [R]: each lane's first column,
-        ``live`` [R]) as one commit group; ``piece`` [R]: each lane's byte address of piece (0, 0, lane)."""
+    def _issue_tile(piece, t, v_row, d_row, c0, c1, lanes, keep, NT: gl.constexpr, TILE_: gl.constexpr,
+                    R: gl.constexpr, K: gl.constexpr):
+        """Tile ``t`` of this CTA's chunk ``[c0, c1)`` of both rows (``v_row``, ``d_row``: row pointers) as one
+        commit group, empty copies when not ``keep``; ``piece`` [R]: each lane's byte address of piece (0, 0, lane)."""
+        cols = c0 + t * TILE_ + lanes * K
+        live = (cols < c1) & keep
         for j in gl.static_range(K // 8):
             _copy_piece(piece + t * (R * K * 2) + 16 * j, v_row + cols + 8 * j, live)
             _copy_piece(piece + (NT + t) * (R * K * 2) + 16 * j, d_row + cols + 8 * j, live)
         _commit()
 
     @gluon.jit
-    def _issue_row(piece, v_ptr, d_ptr, row, keep, stride_v, stride_d, c0, c1, lane_cols, NT: gl.constexpr,
-                   TILE_: gl.constexpr, R: gl.constexpr, K: gl.constexpr):
-        """All ``NT`` tiles of ``row`` (``NT`` commit groups, empty copies when not ``keep``)."""
-        row64 = row.to(gl.int64)
+    def _issue_row(piece, v_row, d_row, c0, c1, lanes, keep, NT: gl.constexpr, TILE_: gl.constexpr,
+                   R: gl.constexpr, K: gl.constexpr):
+        """All ``NT`` tiles of a row (``NT`` commit groups)."""
         for t in gl.static_range(NT):
-            cols = c0 + t * TILE_ + lane_cols
-            _issue_tile(piece, t, v_ptr + row64 * stride_v, d_ptr + row64 * stride_d, cols, (cols < c1) & keep, NT, R,
-                        K)
+            _issue_tile(piece, t, v_row, d_row, c0, c1, lanes, keep, NT, TILE_, R, K)
 
     @gluon.jit
     def _load_piece(addr2, IS_BF16: gl.constexpr):
@@ -252,19 +222,20 @@ if HAVE_GLUON:
         return mx_new, my_new, sx, sy, s3, s4
 
     @gluon.jit
+    def _lane_init(R: gl.constexpr, layout: gl.constexpr):
+        """Empty per-lane statistics ([R] each): maxima -inf, sums 0."""
+        lane_layout: gl.constexpr = gl.SliceLayout(1, layout)
+        mx = gl.full([R], float("-inf"), gl.float32, lane_layout)
+        zero = gl.zeros([R], gl.float32, lane_layout)
+        return mx, mx, zero, zero, zero, zero
+
+    @gluon.jit
     def _lane_pass(piece2, c0, c1, offs2, scale2, dtype: gl.constexpr, FORWARD: gl.constexpr, NT: gl.constexpr,
                    N_FULL: gl.constexpr, TILE_: gl.constexpr, R: gl.constexpr, layout: gl.constexpr):
         """Per-lane statistics over the chunk in shared memory, unrolled: tile ``t`` waits only for its own copy
         group (the copies of later tiles stay in flight while earlier tiles are reduced); tiles from ``N_FULL`` on
         are masked and safe."""
-        NEG_INF: gl.constexpr = float("-inf")
-        lane_layout: gl.constexpr = gl.SliceLayout(1, layout)
-        mx = gl.full([R], NEG_INF, gl.float32, lane_layout)
-        my = gl.full([R], NEG_INF, gl.float32, lane_layout)
-        sx = gl.zeros([R], gl.float32, lane_layout)
-        sy = gl.zeros([R], gl.float32, lane_layout)
-        s3 = gl.zeros([R], gl.float32, lane_layout)
-        s4 = gl.zeros([R], gl.float32, lane_layout)
+        mx, my, sx, sy, s3, s4 = _lane_init(R, layout)
         for t in gl.static_range(NT):
             _wait(NT - 1 - t)
             rx, ry = _raw_tile(piece2, t, c0, c1, offs2, dtype, t >= N_FULL, NT, TILE_, R)
@@ -275,14 +246,7 @@ if HAVE_GLUON:
     def _lane_pass_safe(piece2, c0, c1, offs2, scale2, dtype: gl.constexpr, FORWARD: gl.constexpr,
                         NT: gl.constexpr, TILE_: gl.constexpr, R: gl.constexpr, layout: gl.constexpr):
         """``_lane_pass`` with the safe tile everywhere, as a loop (the rare path: its code stays small)."""
-        NEG_INF: gl.constexpr = float("-inf")
-        lane_layout: gl.constexpr = gl.SliceLayout(1, layout)
-        mx = gl.full([R], NEG_INF, gl.float32, lane_layout)
-        my = gl.full([R], NEG_INF, gl.float32, lane_layout)
-        sx = gl.zeros([R], gl.float32, lane_layout)
-        sy = gl.zeros([R], gl.float32, lane_layout)
-        s3 = gl.zeros([R], gl.float32, lane_layout)
-        s4 = gl.zeros([R], gl.float32, lane_layout)
+        mx, my, sx, sy, s3, s4 = _lane_init(R, layout)
         for t in range(0, NT):
             rx, ry = _raw_tile(piece2, t, c0, c1, offs2, dtype, True, NT, TILE_, R)
             mx, my, sx, sy, s3, s4 = _stats_tile(rx, ry, scale2, mx, my, sx, sy, s3, s4, FORWARD, True)
@@ -463,7 +427,8 @@ if HAVE_GLUON:
             w_base = w_base / gl.maximum(gl.load(count_ptr), 1.0)
         n_mine = gl.cdiv(n_rows - cid, n_clusters)
         keep = _row_kept(mask_ptr, cid, n_rows, HAS_MASK)
-        _issue_row(piece, v_ptr, d_ptr, cid, keep, stride_v, stride_d, c0, c1, lanes * K, NT, TILE_, R, K)
+        _issue_row(piece, v_ptr + cid.to(gl.int64) * stride_v, d_ptr + cid.to(gl.int64) * stride_d, c0, c1, lanes,
+                   keep, NT, TILE_, R, K)
         _cluster_barrier()  # every CTA of the cluster runs before any writes into another's shared memory
         for it in range(0, n_mine):
             row = cid + it * n_clusters
@@ -496,8 +461,7 @@ if HAVE_GLUON:
                         gl.store(g_row + cols, g)
                     else:
                         gl.store(g_row + cols, g, mask=cols < c1)
-                    _issue_tile(piece, t, v_next, d_next, c0 + t * TILE_ + lanes * K,
-                                (c0 + t * TILE_ + lanes * K < c1) & keep_next, NT, R, K)
+                    _issue_tile(piece, t, v_next, d_next, c0, c1, lanes, keep_next, NT, TILE_, R, K)
                 if rank == 0:
                     ce = LN2 * (log2_sy - t_t / sx_t)
                     # a NaN sum over finite normalisers: an underflowed weight times an infinite difference (p > 0
@@ -511,8 +475,7 @@ if HAVE_GLUON:
                 for t in gl.static_range(NT):
                     cols = c0 + t * TILE_ + offs2
                     gl.store(g_row + cols, zero, mask=cols < c1)
-                    _issue_tile(piece, t, v_next, d_next, c0 + t * TILE_ + lanes * K,
-                                (c0 + t * TILE_ + lanes * K < c1) & keep_next, NT, R, K)
+                    _issue_tile(piece, t, v_next, d_next, c0, c1, lanes, keep_next, NT, TILE_, R, K)
                 if rank == 0:
                     gl.store(ce_ptr + row64, 0.0)
                     gl.store(status_ptr + row64, 0)
@@ -544,7 +507,8 @@ if HAVE_GLUON:
         pending_ce = scale2 * 0.0
         pending_kl = scale2 * 0.0
         keep = _row_kept(mask_ptr, cid, n_rows, HAS_MASK)
-        _issue_row(piece, v_ptr, d_ptr, cid, keep, stride_v, stride_d, c0, c1, lanes * K, NT, TILE_, R, K)
+        _issue_row(piece, v_ptr + cid.to(gl.int64) * stride_v, d_ptr + cid.to(gl.int64) * stride_d, c0, c1, lanes,
+                   keep, NT, TILE_, R, K)
         _cluster_barrier()  # every CTA of the cluster runs before any writes into another's shared memory
         for it in range(0, n_mine):
             row = cid + it * n_clusters
@@ -581,8 +545,7 @@ if HAVE_GLUON:
                         qy = gl.where(cols < c1, qy, 0.0)
                     acc_abs += gl.sum(gl.abs(px - qy), 1)
                     acc_min += gl.sum(gl.minimum(px, qy), 1)
-                    _issue_tile(piece, t, v_next, d_next, c0 + t * TILE_ + lanes * K,
-                                (c0 + t * TILE_ + lanes * K < c1) & keep_next, NT, R, K)
+                    _issue_tile(piece, t, v_next, d_next, c0, c1, lanes, keep_next, NT, TILE_, R, K)
                 t_abs, t_min = gl.reduce((acc_abs, acc_min), 0, _add2)
                 zero = gl.zeros_like(acc_abs)
                 _push2(xp + (par * C + rank) * 8 + lanes * 0, lanes * 0, (lanes == 0).to(gl.int32), t_abs + zero,
@@ -603,9 +566,7 @@ if HAVE_GLUON:
                 phase += 1
             else:
                 _wait(0)  # this row's (empty) copies land before the slot is refilled
-                for t in gl.static_range(NT):
-                    _issue_tile(piece, t, v_next, d_next, c0 + t * TILE_ + lanes * K,
-                                (c0 + t * TILE_ + lanes * K < c1) & keep_next, NT, R, K)
+                _issue_row(piece, v_next, d_next, c0, c1, lanes, keep_next, NT, TILE_, R, K)
                 if rank == 0:
                     gl.store(ce_ptr + row64, 0.0)
                     gl.store(kl_ptr + row64, 0.0)
@@ -695,13 +656,6 @@ def region_bytes(cluster_size: int, nt: int) -> int:
 
 def _launch(kernel, key: tuple, arguments, constexprs: dict, c: int, nt: int, n_rows: int,
             device: torch.device) -> bool:
-    """``_launch_here`` with ``device`` current (the compiled kernel and its launch use the current device)."""
-    with torch.cuda.device(device):
-        return _launch_here(kernel, key, arguments, constexprs, c, nt, n_rows, device)
-
-
-def _launch_here(kernel, key: tuple, arguments, constexprs: dict, c: int, nt: int, n_rows: int,
-                 device: torch.device) -> bool:
     """Launch ``kernel`` as persistent clusters of ``c`` CTAs (``arguments(n_clusters, region)``: its runtime
     arguments). The first call per ``key`` compiles it, places the row-chunk region after the compiler's own shared
     memory (``region``, 128-byte aligned; ``region_bytes`` long), sizes the grid with the occupancy API
@@ -709,7 +663,7 @@ def _launch_here(kernel, key: tuple, arguments, constexprs: dict, c: int, nt: in
     warning, for the rest of the process) if it cannot be built or launched as a cluster."""
     if key not in _COMPILED:
         try:
-            estimate = max(1, torch.cuda.get_device_properties(device).multi_processor_count * 2 // c)
+            estimate = max(1, sm_count(device) * 2 // c)
             compiled = kernel.warmup(*arguments(estimate, 0), grid=(estimate * c,), **constexprs,
                                      num_warps=NUM_WARPS)
             region = getattr(compiled, "_specdec_region", None)
