@@ -12,7 +12,6 @@ Usage: python benchmarks/probe_cluster_floor.py [--out results/cluster_floor_<gp
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 
@@ -20,15 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment, time_graph  # noqa: E402
-
-
-@triton.jit
-def _barrier():
-    tl.inline_asm_elementwise(
-        "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n\tmov.u32 $0, 0;",
-        "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import environment, time_graph, write_csv  # noqa: E402
+from benchmarks.probe_cluster_kernels import _cluster_barrier  # noqa: E402
+from kernels.divergence_cluster import _patch_cluster  # noqa: E402
 
 
 @triton.jit
@@ -40,11 +34,11 @@ def _floor_kernel(x_ptr, scratch_ptr, out_ptr, C: tl.constexpr, N: tl.constexpr,
         s = tl.sum(tl.load(x_ptr + pid * N + tl.arange(0, N)), axis=0)
     if BARRIERS > 0:
         tl.store(scratch_ptr + pid, s)
-        _barrier()
+        _cluster_barrier()
         first = pid // C * C
         s = tl.sum(tl.load(scratch_ptr + first + tl.arange(0, C), cache_modifier=".cg"), axis=0)
         for _ in tl.static_range(BARRIERS - 1):
-            _barrier()
+            _cluster_barrier()
     if pid % C == 0:
         tl.store(out_ptr + pid // C, s)
 
@@ -59,8 +53,7 @@ def floor_call(ctas: int, cluster: int, warps: int, load: bool, barriers: int):
     if cluster > 1:
         triton.runtime.driver.active.utils.cuOccupancyMaxActiveClusters(compiled.function, compiled.metadata.shared,
                                                                        cluster)  # allows clusters of 16
-        nw, _, shared = compiled.packed_metadata
-        compiled.packed_metadata = (nw, cluster, shared)
+        _patch_cluster(compiled, cluster, compiled.metadata.shared)
         grid = (ctas // cluster, 1, 1)
     else:
         grid = (ctas, 1, 1)
@@ -83,10 +76,7 @@ def main() -> None:
                          median_us=f"{med:.2f}", p20_us=f"{p20:.2f}", p80_us=f"{p80:.2f}", **env))
     gpu = env["gpu"].replace(" ", "_")
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"cluster_floor_{gpu}.csv")
-    with open(out, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out, rows)
     print(f"wrote {out}")
 
 

@@ -5,8 +5,8 @@
 #   bash benchmarks/run_gpu_validation.sh bench             # rejection benchmark at the README's shapes (~3 min)
 #   bash benchmarks/run_gpu_validation.sh bench-divergence  # divergence benchmark, README shapes (~2 min on an H200)
 # Optional, git-ignored inputs (the GPU machine is offline): .whl/*.whl (liger-kernel, pytest and their
-# dependencies, from `pip download --no-deps`), .fi/ (FlashInfer's source tree, benchmarks/setup_flashinfer_tree.sh); without
-# them the FlashInfer / Liger providers are skipped and noted in the CSV.
+# dependencies, from `pip download --no-deps`), .fi/ (FlashInfer's source tree, built by
+# benchmarks/setup_flashinfer_tree.sh); without them the FlashInfer / Liger providers are skipped and noted in the CSV.
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
 MODE=${1:-tests-rest}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build .fi/ (git-ignored): FlashInfer 0.2.14.post1 from its PyPI source distribution, importable without installing
+# Build .fi/ (git-ignored, see .gitignore): FlashInfer 0.2.14.post1 from its PyPI source distribution, importable without installing
 # (PYTHONPATH=.fi), for the FlashInfer providers of benchmarks/bench_rejection.py on an offline GPU machine.
 # The package JIT-compiles its kernels on first use from flashinfer/data/{csrc,include,cutlass,spdlog,tvm_binding},
 # which a wheel ships and the source tree does not: here they are relative links into the unpacked sdist.
@@ -27,5 +27,4 @@ ln -s ../../include .fi/flashinfer/data/include
 ln -s ../../3rdparty/cutlass .fi/flashinfer/data/cutlass
 ln -s ../../3rdparty/spdlog .fi/flashinfer/data/spdlog
 ln -s ../../tvm_binding .fi/flashinfer/data/tvm_binding
-grep -qx "/.fi/" .gitignore 2>/dev/null || echo "warning: add /.fi/ to .gitignore" >&2
 echo "built .fi/ ($(du -sh .fi | cut -f1)) from $url"
