@@ -14,7 +14,8 @@ Providers (``provider`` column):
   flashinfer_kernel  ``chain_speculative_sampling`` alone, handed precomputed probabilities
 
 ``gbps`` counts the logical input bytes ``B (2K+1) V esize`` once; ``gbps_read`` (specdec only) counts the bytes
-the kernel actually reads on these inputs (early exit and the race's re-read of the stop row included).
+the kernel actually reads on these inputs (early exit and the race's re-read of the stop row included; NaN with
+``live_skip``, where it depends on the programs' timing).
 
 Usage: python benchmarks/bench_rejection.py [--quick] [--out benchmarks/results] [--max-seconds 420]
        [--dtypes bf16] [--shapes 151936:1:4,32000:8:1,...] (V:B:K triples) [--tag _v3] (CSV name suffix)
@@ -40,6 +41,7 @@ from common import environment, measure_copy_bandwidth, time_do_bench, time_grap
 from specdec.kernels.rejection_sampling import (  # noqa: E402
     TUNE_DEFAULT,
     _l2_keep,
+    _live_skip,
     _race_plan,
     _stage_plan,
     rejection_sample_triton,
@@ -195,6 +197,14 @@ SWEEP = {
     "noftz": dict(ftz=False),
     "stats:noftz": dict(ftz=False, stats_only=True),
     "noftz_pdl0": dict(ftz=False, pdl=0),
+    # session 15: one position-major statistics launch whose programs skip rows already certainly rejected at an
+    # earlier, completed position (tune['live_skip']); more programs per SM give the later positions' programs
+    # more completed positions to check
+    "live_off": dict(live_skip=False),
+    **{f"live_p{n}": dict(live_skip=True, stats_programs=n) for n in (4, 8, 16, 32, 64)},
+    **{f"live_p{n}_b1024": dict(live_skip=True, stats_programs=n, stats_block=1024, stats_warps=4,
+                                stats_prefetch=True) for n in (16, 32)},
+    **{f"stats:live_p{n}": dict(live_skip=True, stats_programs=n, stats_only=True) for n in (8, 32)},
 }
 # Earlier sweeps (results/rejection_sweep_H200_v5..v9*.csv) also timed other settings; every row records its tune.
 SWEEP_SMALL = ("default", "stats_pf", "stats_nopf", "race_t4w4", "stats_prog8", "pdl0", "stats:default")
@@ -241,6 +251,8 @@ def run_sweep(shapes, dtype_name, out_path, l2_bytes, copy_gbps, env, max_second
                 cfg = dict(TUNE_DEFAULT, **tune)
                 plan = _stage_plan(num_drafts + 1, batch, False, cfg["stages"], vocab, esize)
                 read = bytes_read("split", ref[1], num_drafts, vocab, esize, plan)
+                if _live_skip(cfg["live_skip"], False, batch, num_drafts + 1, vocab, esize):
+                    read = float("nan")  # rows past a rejection are read or not depending on timing
                 if tune.get("stats_only"):
                     read = batch * (2 * num_drafts + 1) * vocab * esize
                 row = dict(config=name, B=batch, K=num_drafts, V=vocab, dtype=dtype_name, median_us=f"{med:.2f}",
@@ -410,6 +422,8 @@ def main() -> None:
                     used = "split" if strategy == "auto" else strategy
                     plan = _stage_plan(num_drafts + 1, batch, False, TUNE_DEFAULT["stages"], vocab, esize)
                     read = bytes_read(used, out[1], num_drafts, vocab, esize, plan)
+                    if used == "split" and _live_skip(None, False, batch, num_drafts + 1, vocab, esize):
+                        read = float("nan")  # rows past a rejection are read or not depending on timing
                 row.update(kernel="rejection_sample", provider=provider, B=batch, K=num_drafts,
                            V=vocab, dtype=dtype_name, median_us=f"{med:.2f}", p20_us=f"{p20:.2f}",
                            p80_us=f"{p80:.2f}", gbps=f"{logical / med / 1e3:.1f}",

@@ -45,7 +45,9 @@ Two launch strategies compute the same function:
   row's last draft are skipped; without greedy rows the bonus position gets no programs at all. For large
   inputs (K >= 6, logits >= 200 MB) it runs as two launches, positions 0-2 then 3-K, and a row that certainly
   stopped before position 3 reads nothing in the second (staged statistics, :func:`_rejected_before`; the race
-  kernel still makes every decision).
+  kernel still makes every decision). From 500 MB of logits with K >= 4 it runs instead as one launch in
+  position-major order whose programs stop reading a row as soon as an earlier position of it is certainly
+  rejected (``live_skip``, see :func:`_live_skip`).
   (2) ``_race_kernel``, grid ``(B, S2)``: every program combines the partials of its row (vectorised over
   positions), runs the accept tests, finds the stop position, then runs level 1 of the race on its vocabulary
   chunk of the stop row only (blocks of ``race_tiles`` tiles, one warp per tile, so the tile sums are warp
@@ -258,20 +260,20 @@ def _draft_logits(target_ptr, draft_ptr, draft_tokens_ptr, b, js, rows, V, K, sc
 
 
 @triton.jit
-def _position_stats(stats_ptr, argmax_ptr, pair, rows, V, S, SP2: tl.constexpr):
+def _position_stats(stats_ptr, argmax_ptr, pair, rows, V, S, SP2: tl.constexpr, CACHE: tl.constexpr):
     """Combine the stats kernel's partials of the positions ``pair`` ([JP2] int64 (row, position) indices; only
     ``rows`` are read): log-sum-exp, max and sum-exp of target and draft, and the greedy arg-max (the partial
-    arg-max of the first split holding the row maximum; ``V`` where there is none)."""
+    arg-max of the first split holding the row maximum; ``V`` where there is none). CACHE: the loads' cache
+    modifier (``".cg"``: from L2, for partials that other programs of the same launch are still writing)."""
     ss = tl.arange(0, SP2)
     st_off = (pair[:, None] * S + ss[None, :]) * 4
     m2 = rows[:, None] & (ss[None, :] < S)
-    lt, mt, st = _combine_lse(tl.load(stats_ptr + st_off, mask=m2, other=float("-inf")),
-                              tl.load(stats_ptr + st_off + 1, mask=m2, other=0.0), 1)
-    ld, md, sd = _combine_lse(tl.load(stats_ptr + st_off + 2, mask=m2, other=float("-inf")),
-                              tl.load(stats_ptr + st_off + 3, mask=m2, other=0.0), 1)
-    mpart = tl.load(stats_ptr + st_off, mask=m2, other=float("-inf"))
+    mpart = tl.load(stats_ptr + st_off, mask=m2, other=float("-inf"), cache_modifier=CACHE)
+    lt, mt, st = _combine_lse(mpart, tl.load(stats_ptr + st_off + 1, mask=m2, other=0.0, cache_modifier=CACHE), 1)
+    ld, md, sd = _combine_lse(tl.load(stats_ptr + st_off + 2, mask=m2, other=float("-inf"), cache_modifier=CACHE),
+                              tl.load(stats_ptr + st_off + 3, mask=m2, other=0.0, cache_modifier=CACHE), 1)
     first_split = tl.min(tl.where((mpart == mt[:, None]) & m2, ss[None, :], SP2), axis=1)
-    am = tl.load(argmax_ptr + pair * S + first_split, mask=rows & (first_split < S), other=V)
+    am = tl.load(argmax_ptr + pair * S + first_split, mask=rows & (first_split < S), other=V, cache_modifier=CACHE)
     return lt, mt, st, ld, md, sd, am
 
 
@@ -287,12 +289,22 @@ def _rejected_before(target_ptr, draft_ptr, draft_tokens_ptr, seeds_ptr, offsets
     layouts); a greedy rejection (``x != argmax``) is exact, and so is ``pos_lo > n_b``.
     """
     js = tl.arange(0, JP2)
-    real = (js < pos_lo) & (js < n_b)
+    stopped = _certainly_rejected(target_ptr, draft_ptr, draft_tokens_ptr, seeds_ptr, offsets_ptr, stats_ptr,
+                                  argmax_ptr, b, g, scale, V, K, S, (js < pos_lo) & (js < n_b), JP2, SP2, "")
+    return stopped | (pos_lo > n_b)
+
+
+@triton.jit
+def _certainly_rejected(target_ptr, draft_ptr, draft_tokens_ptr, seeds_ptr, offsets_ptr, stats_ptr, argmax_ptr,
+                        b, g, scale, V, K, S, real, JP2: tl.constexpr, SP2: tl.constexpr, CACHE: tl.constexpr):
+    """True when one of the positions ``real`` ([JP2] bool; their statistics complete) of row ``b`` is certainly
+    rejected (the margins of :func:`_rejected_before`)."""
+    js = tl.arange(0, JP2)
     x, t_x, d_x = _draft_logits(target_ptr, draft_ptr, draft_tokens_ptr, b, js, real, V, K, scale)
     key_a, key_b = stream_keys_tl(tl.load(seeds_ptr + b), tl.load(offsets_ptr + b) + js)
     u = uniform_from_keys_tl(key_a, key_b, tl.full([JP2], 0xFFFFFFFF, tl.uint32))
     lt, _mt, _st, ld, _md, _sd, am = _position_stats(stats_ptr, argmax_ptr, b.to(tl.int64) * (K + 1) + js, real,
-                                                     V, S, SP2)
+                                                     V, S, SP2, CACHE)
     lp = t_x - lt
     lq = d_x - ld
     margin = 1e-3 + 1e-5 * (tl.abs(t_x) + tl.abs(lt) + tl.abs(d_x) + tl.abs(ld))
@@ -300,16 +312,57 @@ def _rejected_before(target_ptr, draft_ptr, draft_tokens_ptr, seeds_ptr, offsets
     rej_s = (d_x == float("-inf")) | (t_x == float("-inf")) | (tl.log(u) + lq > lp + margin)
     rej_g = x != am
     certain = real & tl.where(g != 0, rej_g, rej_s)
-    return (tl.sum(certain.to(tl.int32), axis=0) > 0) | (pos_lo > n_b)
+    return tl.sum(certain.to(tl.int32), axis=0) > 0
 
 
 @triton.jit
-def _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2, BLOCK: tl.constexpr,
-                PREFETCH: tl.constexpr, FTZ: tl.constexpr, EVICT: tl.constexpr):
+def _stats_loads(t_base, d_base, t_nx, d_nx, offs, lim, V, v_d, scale, BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
+                 EVICT: tl.constexpr):
+    """The statistics loops' tile at ``offs`` as scaled fp32 (target, draft) and, with PREFETCH, the next tile's
+    loads issued (``t_nx`` / ``d_nx`` hold this tile, loaded by the previous call; ids from ``lim`` on load as
+    ``-inf``, so ``lim = 0`` loads nothing). Returns (t, d, t_nx, d_nx)."""
+    if PREFETCH:
+        t = t_nx.to(tl.float32) * scale
+        d = d_nx.to(tl.float32) * scale
+        t_nx = tl.load(t_base + offs + BLOCK, mask=offs + BLOCK < lim, other=float("-inf"), eviction_policy=EVICT)
+        d_nx = tl.load(d_base + offs + BLOCK, mask=offs + BLOCK < tl.minimum(lim, v_d), other=float("-inf"),
+                       eviction_policy=EVICT)
+    else:
+        t = tl.load(t_base + offs, mask=offs < V, other=float("-inf"), eviction_policy=EVICT).to(tl.float32) * scale
+        d = tl.load(d_base + offs, mask=offs < v_d, other=float("-inf"), eviction_policy=EVICT).to(tl.float32) * scale
+    return t, d, t_nx, d_nx
+
+
+@triton.jit
+def _stats_tile(t, d, offs, m_t, s_t, m_d, s_d, am_v, am_i, g, V, FTZ: tl.constexpr):
+    """One [R, 8] tile of the statistics loops: lane-wise online (max, sum exp) of target and draft and, for greedy
+    rows, the running arg-max (lowest id of the largest target logit)."""
+    new_t = tl.maximum(m_t, tl.max(t, axis=1))
+    safe_t = tl.where(new_t == float("-inf"), 0.0, new_t)
+    s_t = s_t * _exp(m_t - safe_t, FTZ) + tl.sum(_exp(t - safe_t[:, None], FTZ), axis=1)
+    new_d = tl.maximum(m_d, tl.max(d, axis=1))
+    safe_d = tl.where(new_d == float("-inf"), 0.0, new_d)
+    s_d = s_d * _exp(m_d - safe_d, FTZ) + tl.sum(_exp(d - safe_d[:, None], FTZ), axis=1)
+    if g != 0:
+        tile_max = tl.max(tl.max(t, axis=1), axis=0)
+        tile_idx = tl.min(tl.min(tl.where(t == tile_max, offs, V), axis=1), axis=0)
+        upd = tile_max > am_v
+        am_v = tl.where(upd, tile_max, am_v)
+        am_i = tl.where(upd, tile_idx, am_i)
+    return new_t, s_t, new_d, s_d, am_v, am_i
+
+
+@triton.jit
+def _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2, reject_ptr, j, K, BLOCK: tl.constexpr,
+                PREFETCH: tl.constexpr, FTZ: tl.constexpr, EVICT: tl.constexpr, LIVE: tl.constexpr):
     """The statistics kernel's loop over ``[lo, hi)``: lane-wise online log-sum-exp on ``[BLOCK // 8, 8]`` tiles (the
     axis-1 reductions stay inside a thread or a warp, so a tile needs no block-wide barrier; one exp per element plus
     one per 8 elements for the rescale) and, for greedy rows, the arg-max. PREFETCH: ``t_nx`` / ``d_nx`` hold the
     first tile and each tile's successor is loaded before its arithmetic. EVICT: the loads' L2 eviction policy.
+    LIVE (live skip): stop early once the row's ``reject_ptr`` word says a position before ``j`` is certainly
+    rejected (``K + 1 - word < j``; the word only grows). Each tile issues the word's load and the next tile uses
+    it, so the check waits on no round trip. A stopped program's partials cover the tiles it read: only positions
+    past a certain rejection stop, and the race kernel never reads those.
     Returns lane-wise (m_t, s_t, m_d, s_d) and the arg-max id (``V`` when none)."""
     R: tl.constexpr = BLOCK // 8
     m_t = tl.full([R], float("-inf"), tl.float32)
@@ -318,35 +371,26 @@ def _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2, BLO
     s_d = tl.zeros([R], tl.float32)
     am_v = float("-inf")
     am_i = V
-    for start in range(lo, hi, BLOCK):
-        offs = start + rows2
-        if PREFETCH:
-            t = t_nx.to(tl.float32) * scale
-            d = d_nx.to(tl.float32) * scale
-            lim = tl.where(start + BLOCK < hi, V, 0)
-            t_nx = tl.load(t_base + offs + BLOCK, mask=offs + BLOCK < lim, other=float("-inf"),
-                           eviction_policy=EVICT)
-            d_nx = tl.load(d_base + offs + BLOCK, mask=offs + BLOCK < tl.minimum(lim, v_d), other=float("-inf"),
-                           eviction_policy=EVICT)
-        else:
-            t = tl.load(t_base + offs, mask=offs < V, other=float("-inf"), eviction_policy=EVICT).to(tl.float32)
-            d = tl.load(d_base + offs, mask=offs < v_d, other=float("-inf"), eviction_policy=EVICT).to(tl.float32)
-            t = t * scale
-            d = d * scale
-        new_t = tl.maximum(m_t, tl.max(t, axis=1))
-        safe_t = tl.where(new_t == float("-inf"), 0.0, new_t)
-        s_t = s_t * _exp(m_t - safe_t, FTZ) + tl.sum(_exp(t - safe_t[:, None], FTZ), axis=1)
-        m_t = new_t
-        new_d = tl.maximum(m_d, tl.max(d, axis=1))
-        safe_d = tl.where(new_d == float("-inf"), 0.0, new_d)
-        s_d = s_d * _exp(m_d - safe_d, FTZ) + tl.sum(_exp(d - safe_d[:, None], FTZ), axis=1)
-        m_d = new_d
-        if g != 0:
-            tile_max = tl.max(tl.max(t, axis=1), axis=0)
-            tile_idx = tl.min(tl.min(tl.where(t == tile_max, offs, V), axis=1), axis=0)
-            upd = tile_max > am_v
-            am_v = tl.where(upd, tile_max, am_v)
-            am_i = tl.where(upd, tile_idx, am_i)
+    if LIVE:
+        word = tl.load(reject_ptr, volatile=True)
+        hi = tl.where(K + 1 - word < j, lo, hi)
+        start = lo
+        while start < hi:
+            offs = start + rows2
+            lim = tl.where((start + BLOCK < hi) & (K + 1 - word >= j), V, 0)
+            t, d, t_nx, d_nx = _stats_loads(t_base, d_base, t_nx, d_nx, offs, lim, V, v_d, scale, BLOCK, PREFETCH,
+                                            EVICT)
+            next_word = tl.load(reject_ptr, volatile=True)
+            m_t, s_t, m_d, s_d, am_v, am_i = _stats_tile(t, d, offs, m_t, s_t, m_d, s_d, am_v, am_i, g, V, FTZ)
+            start += BLOCK
+            hi = tl.where(K + 1 - word < j, start, hi)
+            word = next_word
+    else:
+        for start in range(lo, hi, BLOCK):
+            offs = start + rows2
+            t, d, t_nx, d_nx = _stats_loads(t_base, d_base, t_nx, d_nx, offs, tl.where(start + BLOCK < hi, V, 0), V,
+                                            v_d, scale, BLOCK, PREFETCH, EVICT)
+            m_t, s_t, m_d, s_d, am_v, am_i = _stats_tile(t, d, offs, m_t, s_t, m_d, s_d, am_v, am_i, g, V, FTZ)
     return m_t, s_t, m_d, s_d, am_i
 
 
@@ -357,7 +401,8 @@ def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greed
                   COMPUTE_SCORES: tl.constexpr, KP2: tl.constexpr, BLOCK: tl.constexpr,
                   ZERO_COUNTERS: tl.constexpr, PDL_TRIGGER: tl.constexpr, PREFETCH: tl.constexpr,
                   STAGED: tl.constexpr, JP2: tl.constexpr, SP2: tl.constexpr, FTZ: tl.constexpr,
-                  keep_positions=0, KEEP_EVICT: tl.constexpr = "", REST_EVICT: tl.constexpr = ""):
+                  keep_positions=0, KEEP_EVICT: tl.constexpr = "", REST_EVICT: tl.constexpr = "",
+                  pair_counter_ptr=None, batch=0, LIVE_SKIP: tl.constexpr = False):
     """Partial (max, sum exp) of target and draft over one vocabulary chunk of one (row, position).
 
     Grid ``(B * pos_count, S)``: positions ``pos_lo .. pos_lo + pos_count - 1`` of every row. STAGED (a launch
@@ -369,13 +414,25 @@ def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greed
     ZERO_COUNTERS: program (row b, position 0, split 0) zeroes ``counter[b]``, the arrival counter of the race
     programs of row b (fused finalize; no separate memset launch). PDL_TRIGGER: let the race kernel (launched with
     programmatic dependent launch) start its prologue now; it waits (``gdc_wait``) before reading anything written here.
+    LIVE_SKIP (one launch over every position): grid ``(S, B * pos_count)`` in position-major order, so the GPU
+    starts the programs of position j after those of earlier positions. ``pair_counter`` ([B * (K + 1) + B] int32,
+    zeroed by the caller) holds an arrival count per (row, position) and a rejection word per row: the last program
+    of a position to store its partials tests that position (:func:`_certainly_rejected`) and, on a certain
+    rejection at j, raises the row's word to K + 1 - j; programs of later positions watch the word while they read
+    (:func:`_stats_loop`, LIVE) and stop. Which programs stop, and where, depends on timing, never what the race
+    kernel computes: only positions past a certain rejection stop, and the race kernel stops at or before it.
     """
     if PDL_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
-    b = tl.program_id(0) // pos_count
-    j = pos_lo + tl.program_id(0) % pos_count
+    if LIVE_SKIP:
+        b = tl.program_id(1) % batch
+        j = pos_lo + tl.program_id(1) // batch
+        split = tl.program_id(0)
+    else:
+        b = tl.program_id(0) // pos_count
+        j = pos_lo + tl.program_id(0) % pos_count
+        split = tl.program_id(1)
     pair = b * (K + 1) + j
-    split = tl.program_id(1)
     if ZERO_COUNTERS:
         if (j == 0) & (split == 0):
             tl.store(counter_ptr + b, 0)
@@ -419,15 +476,16 @@ def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greed
                                        argmax_ptr, b, n_b, g, scale, V, K, S, pos_lo, JP2, SP2)
             hi = tl.where(stopped, lo, hi)
             v_d = tl.where(stopped, 0, v_d)
+    reject_ptr = pair_counter_ptr + batch * (K + 1) + b  # (LIVE_SKIP) the row's rejection word
     if KEEP_EVICT == REST_EVICT:
-        m_t, s_t, m_d, s_d, am_i = _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2,
-                                               BLOCK, PREFETCH, FTZ, KEEP_EVICT)
+        m_t, s_t, m_d, s_d, am_i = _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2, reject_ptr,
+                                               j, K, BLOCK, PREFETCH, FTZ, KEEP_EVICT, LIVE_SKIP)
     elif keep:
-        m_t, s_t, m_d, s_d, am_i = _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2,
-                                               BLOCK, PREFETCH, FTZ, KEEP_EVICT)
+        m_t, s_t, m_d, s_d, am_i = _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2, reject_ptr,
+                                               j, K, BLOCK, PREFETCH, FTZ, KEEP_EVICT, LIVE_SKIP)
     else:
-        m_t, s_t, m_d, s_d, am_i = _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2,
-                                               BLOCK, PREFETCH, FTZ, REST_EVICT)
+        m_t, s_t, m_d, s_d, am_i = _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2, reject_ptr,
+                                               j, K, BLOCK, PREFETCH, FTZ, REST_EVICT, LIVE_SKIP)
     mt_all = tl.max(m_t, axis=0)
     safe = tl.where(mt_all == float("-inf"), 0.0, mt_all)
     st_all = tl.sum(s_t * tl.exp(m_t - safe), axis=0)
@@ -440,6 +498,17 @@ def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greed
     tl.store(stats_ptr + out + 2, md_all)
     tl.store(stats_ptr + out + 3, sd_all)
     tl.store(argmax_ptr + pair.to(tl.int64) * S + split, am_i)
+    if LIVE_SKIP:
+        # the last program of a (row, position) to arrive tests the position: a certain rejection (the margins of
+        # _rejected_before) raises the row's word to K + 1 - j, which stops the row's later positions
+        tl.debug_barrier()  # every thread's stores above happen before the release below
+        arrived = tl.atomic_add(pair_counter_ptr + pair, 1, sem="acq_rel")
+        if (arrived == S - 1) & (j < n_b):
+            js = tl.arange(0, JP2)
+            stopped = _certainly_rejected(target_ptr, draft_ptr, draft_tokens_ptr, seeds_ptr, offsets_ptr,
+                                          stats_ptr, argmax_ptr, b, g, scale, V, K, S, js == j, JP2, SP2, ".cg")
+            if stopped:
+                tl.atomic_max(reject_ptr, K + 1 - j, sem="relaxed")
 
 
 @triton.jit
@@ -498,7 +567,7 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
         tl.extra.cuda.gdc_wait()
 
     # positions >= n_stat have no statistics (the bonus position of a batch without greedy rows): -inf / 0
-    lt, mt, st, ld, md, sd, am = _position_stats(stats_ptr, argmax_ptr, pair, js < n_stat, V, S, SP2)
+    lt, mt, st, ld, md, sd, am = _position_stats(stats_ptr, argmax_ptr, pair, js < n_stat, V, S, SP2, "")
 
     lp = t_x - lt
     lq = d_x - ld
@@ -854,6 +923,9 @@ SEQ_MIN_BATCH = 1 << 62
 #                   results/rejection_sweep_H100_80GB_HBM3_s9_{d,e}_bf16.csv)
 #   l2_keep         statistics rows of the first n positions loaded ``evict_last``, the other statistics rows and
 #                   the race kernel's level-1 loads ``evict_first`` (0: no eviction hints); None: see _l2_keep
+#   live_skip       the statistics as one position-major launch whose programs stop reading a row once an earlier
+#                   position of it is certainly rejected (the last program of each position tests it and marks the
+#                   row); None: see _live_skip
 #   fast_log        the race kernel's logarithms (race scores and the exponential noise ``log(-log u)``; not the
 #                   accept test) as one ``lg2.approx.f32`` each instead of libdevice's ``logf``; None: on (GPU). Race
 #                   loop 376 -> 299 instructions per 256-id tile at the fp32 one-warp plan (sm_90a SASS); H100 same
@@ -863,7 +935,7 @@ SEQ_MIN_BATCH = 1 << 62
 #                   (128, 8, 32000)) to 12% (bf16 (1, 1, 128256))
 TUNE_DEFAULT = dict(fuse=True, race_tiles=None, race_warps=None, race_programs=None, stats_programs=None,
                     stats_block=None, stats_warps=None, stats_prefetch=None, tight_sp2=True, pdl=None, stats_only=False,
-                    stages=None, skip_bonus=None, ftz=None, l2_keep=None, fast_log=None)
+                    stages=None, skip_bonus=None, ftz=None, l2_keep=None, fast_log=None, live_skip=None)
 # automatic choices (None above), each measured on an H200 unless said otherwise (benchmarks/NOTES_rejection.md):
 #   stats_prefetch None: on for B >= 16 with the 4096 tile (B (K+1) tiles >= 4 per SM), with 16 warps when the stats
 #                   grid has one program per (row, position) (B (K+1) >= stats_programs * SMs; (128, 8): stats
@@ -918,6 +990,31 @@ def _stage_plan(num_positions: int, batch: int, compute_scores: bool, stages, vo
         return [(0, num_positions)]
     bounds = [0, *starts, num_positions]
     return [(lo, hi - lo) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def _live_skip(setting: bool | None, compute_scores: bool, batch: int, num_positions: int, vocab: int,
+               element_size: int) -> bool:
+    """Whether the statistics run as one position-major launch whose programs stop reading rows already certainly
+    rejected at an earlier position (``tune['live_skip']``, see ``_stats_kernel``). Scores need every position, and
+    the grid's second dimension (B * K) must stay below 65536. None (automatic): on the GPU with K >= 4 and at least
+    LIVE_SKIP_BYTES of logits. H100, same process (results/rejection_sweep_H100_80GB_HBM3_s15_rule_*.csv), against
+    the plan it replaces (one launch, or positions 0-2 then 3-K): fp32 (128, 8, 151936) 321 -> 269 us, (128, 8,
+    128256) 284 -> 238, (128, 6, 151936) 295 -> 250, (128, 4, 151936) 264 -> 207, (64, 8, 151936) 182 -> 157,
+    (256, 8, 151936) 680 -> 537; bf16 (128, 8, 151936) 180 -> 165, (128, 8, 128256) 160 -> 144. Below that it was
+    within the runs' spread or slower: fp32 (32, 8, 151936) 93-94 -> 95-97 us, (32, 8, 32000) 32 -> 33-36, and
+    below ~15 MB the zeroed counters and the checks cost 3-8 us (results/rejection_sweep_H100_80GB_HBM3_s15_live*)."""
+    if compute_scores or batch * num_positions >= 65536:
+        return False
+    if setting is None:
+        logit_bytes = batch * (2 * num_positions - 1) * vocab * element_size
+        return not _INTERPRET and num_positions >= 5 and logit_bytes >= LIVE_SKIP_BYTES
+    return bool(setting)
+
+
+LIVE_SKIP_BYTES = 500e6
+# statistics programs per SM with live_skip, by logit element size (H100, same sweeps: fp32 16 and 32 within 4% of
+# each other at B >= 64; bf16 32 beat 16 by 5-8% at (128, 8))
+LIVE_SKIP_STATS_PROGRAMS = {4: 16, 2: 32}
 
 
 def _auto_stages(num_positions: int, batch: int, vocab: int, element_size: int) -> tuple[int, ...]:
@@ -1127,7 +1224,11 @@ def rejection_sample_triton(
     else:
         block = 4096 if pairs * triton.cdiv(vocab, 4096) >= 4 * sms else 1024
     prefetch = cfg["stats_prefetch"]
-    stats_programs = _stats_programs(cfg["stats_programs"], target.element_size(), vocab, num_drafts, batch)
+    live_skip = _live_skip(cfg["live_skip"], compute_scores, batch, num_positions, vocab, target.element_size())
+    if live_skip and cfg["stats_programs"] is None:
+        stats_programs = LIVE_SKIP_STATS_PROGRAMS.get(target.element_size(), 32)
+    else:
+        stats_programs = _stats_programs(cfg["stats_programs"], target.element_size(), vocab, num_drafts, batch)
     auto_warps = 8 if block >= 4096 else 4
     if prefetch is None:
         auto_plan = not _INTERPRET and block_v is None and cfg["stats_block"] is None
@@ -1163,16 +1264,23 @@ def rejection_sample_triton(
         alpha_part = torch.empty((batch, num_drafts, splits2), dtype=torch.float32, device=device)
     else:
         draft_logprob = alpha = alpha_part = stats  # unused placeholders
-    stages = _stage_plan(num_positions, batch, compute_scores, cfg["stages"], vocab, target.element_size())
-    stages = [(lo, min(count, stat_positions - lo)) for lo, count in stages if lo < stat_positions]
+    if live_skip:
+        stages = [(0, stat_positions)]
+        pair_counter = torch.zeros((pairs + batch,), dtype=torch.int32, device=device)
+    else:
+        stages = _stage_plan(num_positions, batch, compute_scores, cfg["stages"], vocab, target.element_size())
+        stages = [(lo, min(count, stat_positions - lo)) for lo, count in stages if lo < stat_positions]
+        pair_counter = counter  # unused placeholder
     for index, (pos_lo, pos_count) in enumerate(stages):
         last = index == len(stages) - 1
-        _stats_kernel[(batch * pos_count, splits)](
+        grid = (splits, batch * pos_count) if live_skip else (batch * pos_count, splits)
+        _stats_kernel[grid](
             target, draft, tokens_in, counts_arg, mask_arg, stats, argmax, counter, seeds, offsets, inv_t, vocab,
             num_drafts, chunk, splits, pos_lo, pos_count, COMPUTE_SCORES=compute_scores, KP2=kp2, BLOCK=block,
             ZERO_COUNTERS=fuse and index == 0, PDL_TRIGGER=pdl >= 2 and last, PREFETCH=bool(prefetch),
             STAGED=index > 0, JP2=jp2, SP2=_sp2(splits, cfg["tight_sp2"]), FTZ=ftz, num_warps=warps,
-            keep_positions=l2_keep, KEEP_EVICT=keep_evict, REST_EVICT=rest_evict, **flags,
+            keep_positions=l2_keep, KEEP_EVICT=keep_evict, REST_EVICT=rest_evict, pair_counter_ptr=pair_counter,
+            batch=batch, LIVE_SKIP=live_skip, **flags,
         )
     if cfg["stats_only"]:
         return tokens, num_accepted, None, None

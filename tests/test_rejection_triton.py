@@ -94,6 +94,7 @@ LAUNCH_PLANS = {
     "one_warp_race": dict(race_tiles=1, race_warps=1, race_programs=16),  # the fp32 plan for B >= 32 on the GPU
     "l2_keep": dict(l2_keep=2, stats_prefetch=True),  # both eviction branches of the prefetched statistics loop
     "l2_keep_no_prefetch": dict(l2_keep=2, stats_prefetch=False),
+    "live_skip": dict(live_skip=True),  # (scores force it off: the temperature-0 call below runs it)
 }
 
 
@@ -664,6 +665,120 @@ def test_stage_plans_give_the_same_result(stages) -> None:
     got = rejection_sample_triton(target, draft, tokens, seeds, offsets, 1.0, tune={"stages": stages})
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     assert len(set(got[1].tolist())) >= 3  # several different stop positions
+
+
+class _StatsTensorSpy:
+    """Stands in for ``_stats_kernel``: keeps the statistics partials and the grid of the last launch."""
+
+    def __init__(self, kernel):
+        self.kernel, self.stats, self.grid = kernel, None, None
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.stats, self.grid = args[5], grid
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def _live_skip_case(batch: int, num_drafts: int, vocab: int, dtype=torch.float32, seed: int = 0):
+    """Rows whose stop position is known: row b accepts its first ``b % (K + 1)`` drafts for certain (p(x) ~ 1 >=
+    q(x)) and then, if it has a draft left, rejects it for certain (p(x) = 0)."""
+    target, draft, drafts, seeds, offsets = make_case(batch, num_drafts, vocab, dtype, seed=seed)
+    target = target.float()
+    rows = torch.arange(batch, device=DEVICE)
+    stops = rows % (num_drafts + 1)
+    for j in range(num_drafts):
+        ids = drafts[:, j]
+        accept = j < stops
+        target[rows[accept], j, ids[accept]] = 60.0
+        target[rows[~accept & (j == stops)], j, ids[~accept & (j == stops)]] = float("-inf")
+    return target.to(dtype), draft, drafts, seeds, offsets, stops
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_live_skip_reads_nothing_past_a_certain_rejection_and_stays_exact(splits, monkeypatch) -> None:
+    """tune['live_skip']: the statistics in one position-major launch (a [S, B * K] grid); the last program of a
+    position certainly rejected marks the row, and programs of its later positions stop reading. No position a
+    row can reach is ever cut short, and tokens and counts equal the reference's, at T = 1 and with greedy rows
+    and at T = 0. The interpreter runs the programs one after another, so there the skips are deterministic: with
+    one split (all of a position's programs before the next position's) every position past a row's rejection
+    reads nothing (its partials stay empty); with three (split s of every position after split s - 1 of all of
+    them) only the last split of those positions does. On a GPU the programs overlap and which ones stop depends
+    on timing."""
+    import specdec.kernels.rejection_sampling as kernel
+
+    spy = _StatsTensorSpy(kernel._stats_kernel)
+    monkeypatch.setattr(kernel, "_stats_kernel", spy)
+    batch, num_drafts, vocab = 10, 4, 300
+    target, draft, drafts, seeds, offsets, stops = _live_skip_case(batch, num_drafts, vocab, seed=31)
+    # (stats_programs: the split count is num_splits)
+    tune = dict(live_skip=True, skip_bonus=True, stats_programs=1000, stats_prefetch=splits == 3)
+    ref = rejection_sample_reference(target, draft, drafts, seeds, offsets, 1.0)
+    assert torch.equal(ref[1], stops)
+    got = rejection_sample_triton(target, draft, drafts, seeds, offsets, 1.0, block_v=64, num_splits=splits,
+                                  tune=tune)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert spy.grid == (splits, batch * num_drafts)  # position-major: (splits, B * K)
+    stats = spy.stats.reshape(batch, num_drafts + 1, splits, 4)
+    empty = (stats[..., 0] == float("-inf")) & (stats[..., 1] == 0)  # [B, K+1, S]: a program that read nothing
+    positions = torch.arange(num_drafts, device=DEVICE)
+    past = positions[None, :] > stops[:, None]  # [B, K]
+    assert not empty[:, :num_drafts][~past].any()  # no position a row can reach was skipped
+    if not CUDA:  # the interpreter's program order (see above)
+        assert bool(past.any())
+        assert torch.equal(empty[:, :num_drafts, -1], past)
+        assert not empty[:, :num_drafts, :-1].any() if splits == 3 else empty[:, :num_drafts][past].all()
+    # greedy rows (exact arg-max rejections) and ragged draft counts in the same batch
+    greedy_mask = torch.arange(batch, device=DEVICE) % 2 == 0
+    counts = torch.tensor([4, 3, 4, 0, 2, 4, 1, 4, 4, 2], device=DEVICE)
+    for temperature in (0.7, 0.0):
+        ref = rejection_sample_reference(target, draft, drafts, seeds, offsets, temperature, greedy_mask=greedy_mask,
+                                         num_draft_tokens=counts)
+        got = rejection_sample_triton(target, draft, drafts, seeds, offsets, temperature, greedy_mask=greedy_mask,
+                                      num_draft_tokens=counts, block_v=64, num_splits=splits, tune=tune)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+def test_live_skip_rule() -> None:
+    import specdec.kernels.rejection_sampling as kernel
+    from specdec.kernels.rejection_sampling import _live_skip
+
+    assert _live_skip(True, False, 32, 9, 151936, 2) and not _live_skip(False, False, 128, 9, 151936, 4)
+    assert not _live_skip(True, True, 32, 9, 151936, 2)  # scores need every position
+    assert not _live_skip(True, False, 8192, 8, 100, 4)  # the grid's second dimension (B * K) < 65536
+    # automatic: >= 500 MB of logits with K >= 4 on the GPU (the interpreter never picks it)
+    on_gpu = not kernel._INTERPRET
+    assert kernel._live_skip(None, False, 128, 9, 151936, 4) == on_gpu  # 1.3 GB
+    assert kernel._live_skip(None, False, 128, 9, 151936, 2) == on_gpu  # 661 MB
+    assert kernel._live_skip(None, False, 128, 5, 151936, 4) == on_gpu  # K = 4, 700 MB
+    assert not _live_skip(None, False, 256, 4, 151936, 4)  # K = 3
+    assert not _live_skip(None, False, 32, 9, 151936, 4)  # 331 MB
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("stats_programs", [4, 32])
+def test_live_skip_gpu_exact(stats_programs, dtype) -> None:
+    """On the GPU the programs of a launch overlap, so which ones skip depends on timing: with few and with many
+    statistics programs per SM, sampled, greedy and temperature-0 rows, ragged counts and -1 drafts, the tokens
+    equal the reference's."""
+    batch = 32
+    target, draft, drafts, seeds, offsets = make_case(batch, 8, 151936, dtype, seed=stats_programs, noise=0.4)
+    drafts[0, 6:] = -1
+    counts = torch.full((batch,), 8, dtype=torch.int64, device=DEVICE)
+    counts[-1] = 5
+    greedy_mask = torch.arange(batch, device=DEVICE) % 2 == 1
+    tune = dict(live_skip=True, stats_programs=stats_programs)
+    for temperature, mask in ((1.0, None), (0.7, greedy_mask), (0.0, None)):
+        ref = rejection_sample_reference(target, draft, drafts, seeds, offsets, temperature, greedy_mask=mask,
+                                         num_draft_tokens=counts)
+        for _ in range(3):
+            got = rejection_sample_triton(target, draft, drafts, seeds, offsets, temperature, greedy_mask=mask,
+                                          num_draft_tokens=counts, tune=tune)
+            assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), temperature
+    target, draft, drafts, seeds, offsets, stops = _live_skip_case(batch, 8, 151936, dtype, seed=5)
+    got = rejection_sample_triton(target, draft, drafts, seeds, offsets, 1.0, tune=tune)
+    assert torch.equal(got[1], stops)
 
 
 @gpu_only
