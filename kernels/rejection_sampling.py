@@ -1002,7 +1002,7 @@ def _live_skip(setting: bool | None, compute_scores: bool, batch: int, num_posit
     128256) 284 -> 238, (128, 6, 151936) 295 -> 250, (128, 4, 151936) 264 -> 207, (64, 8, 151936) 182 -> 157,
     (256, 8, 151936) 680 -> 537; bf16 (128, 8, 151936) 180 -> 165, (128, 8, 128256) 160 -> 144. Below that it was
     within the runs' spread or slower: fp32 (32, 8, 151936) 93-94 -> 95-97 us, (32, 8, 32000) 32 -> 33-36, and
-    below ~15 MB the zeroed counters and the checks cost 3-8 us (results/rejection_sweep_H100_80GB_HBM3_s15_live*)."""
+    below ~15 MB the zeroed counters and the checks cost 2-8 us (results/rejection_sweep_H100_80GB_HBM3_s15_live*)."""
     if compute_scores or batch * num_positions >= 65536:
         return False
     if setting is None:
