@@ -251,7 +251,7 @@ def run_sweep(shapes, dtype_name, out_path, l2_bytes, copy_gbps, env, max_second
                 cfg = dict(TUNE_DEFAULT, **tune)
                 plan = _stage_plan(num_drafts + 1, batch, False, cfg["stages"], vocab, esize)
                 read = bytes_read("split", ref[1], num_drafts, vocab, esize, plan)
-                if _live_skip(cfg["live_skip"], False, batch, num_drafts + 1, vocab, esize):
+                if _live_skip(cfg["live_skip"], False, False, batch, num_drafts + 1, vocab, esize):
                     read = float("nan")  # rows past a rejection are read or not depending on timing
                 if tune.get("stats_only"):
                     read = batch * (2 * num_drafts + 1) * vocab * esize
@@ -422,7 +422,7 @@ def main() -> None:
                     used = "split" if strategy == "auto" else strategy
                     plan = _stage_plan(num_drafts + 1, batch, False, TUNE_DEFAULT["stages"], vocab, esize)
                     read = bytes_read(used, out[1], num_drafts, vocab, esize, plan)
-                    if used == "split" and _live_skip(None, False, batch, num_drafts + 1, vocab, esize):
+                    if used == "split" and _live_skip(None, False, False, batch, num_drafts + 1, vocab, esize):
                         read = float("nan")  # rows past a rejection are read or not depending on timing
                 row.update(kernel="rejection_sample", provider=provider, B=batch, K=num_drafts,
                            V=vocab, dtype=dtype_name, median_us=f"{med:.2f}", p20_us=f"{p20:.2f}",

@@ -421,6 +421,8 @@ def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greed
     rejection at j, raises the row's word to K + 1 - j; programs of later positions watch the word while they read
     (:func:`_stats_loop`, LIVE) and stop. Which programs stop, and where, depends on timing, never what the race
     kernel computes: only positions past a certain rejection stop, and the race kernel stops at or before it.
+    The warps of a program may stop at different tiles (each thread reads the word): the launcher never uses
+    LIVE_SKIP with greedy rows, whose arg-max puts block-wide barriers in the loop (:func:`_live_skip`).
     """
     if PDL_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
@@ -925,7 +927,7 @@ SEQ_MIN_BATCH = 1 << 62
 #                   the race kernel's level-1 loads ``evict_first`` (0: no eviction hints); None: see _l2_keep
 #   live_skip       the statistics as one position-major launch whose programs stop reading a row once an earlier
 #                   position of it is certainly rejected (the last program of each position tests it and marks the
-#                   row); None: see _live_skip
+#                   row); replaces `stages` when on; never with scores or greedy rows; None: see _live_skip
 #   fast_log        the race kernel's logarithms (race scores and the exponential noise ``log(-log u)``; not the
 #                   accept test) as one ``lg2.approx.f32`` each instead of libdevice's ``logf``; None: on (GPU). Race
 #                   loop 376 -> 299 instructions per 256-id tile at the fp32 one-warp plan (sm_90a SASS); H100 same
@@ -992,18 +994,21 @@ def _stage_plan(num_positions: int, batch: int, compute_scores: bool, stages, vo
     return [(lo, hi - lo) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-def _live_skip(setting: bool | None, compute_scores: bool, batch: int, num_positions: int, vocab: int,
-               element_size: int) -> bool:
+def _live_skip(setting: bool | None, compute_scores: bool, greedy_rows: bool, batch: int, num_positions: int,
+               vocab: int, element_size: int) -> bool:
     """Whether the statistics run as one position-major launch whose programs stop reading rows already certainly
-    rejected at an earlier position (``tune['live_skip']``, see ``_stats_kernel``). Scores need every position, and
-    the grid's second dimension (B * K) must stay below 65536. None (automatic): on the GPU with K >= 4 and at least
+    rejected at an earlier position (``tune['live_skip']``, see ``_stats_kernel``; it replaces ``tune['stages']``).
+    Never with scores (they need every position), with a batch that may hold greedy rows (their arg-max puts
+    block-wide barriers in the statistics loop, so every warp of a program must run the same number of tiles, while
+    each thread reads the row's word on its own), or when the grid's second dimension, B * (K + 1) at most, would
+    reach 65536. None (automatic): on the GPU with K >= 4 and at least
     LIVE_SKIP_BYTES of logits. H100, same process (results/rejection_sweep_H100_80GB_HBM3_s15_rule_*.csv), against
     the plan it replaces (one launch, or positions 0-2 then 3-K): fp32 (128, 8, 151936) 321 -> 269 us, (128, 8,
     128256) 284 -> 238, (128, 6, 151936) 295 -> 250, (128, 4, 151936) 264 -> 207, (64, 8, 151936) 182 -> 157,
     (256, 8, 151936) 680 -> 537; bf16 (128, 8, 151936) 180 -> 165, (128, 8, 128256) 160 -> 144. Below that it was
     within the runs' spread or slower: fp32 (32, 8, 151936) 93-94 -> 95-97 us, (32, 8, 32000) 32 -> 33-36, and
     below ~15 MB the zeroed counters and the checks cost 2-8 us (results/rejection_sweep_H100_80GB_HBM3_s15_live*)."""
-    if compute_scores or batch * num_positions >= 65536:
+    if compute_scores or greedy_rows or batch * num_positions >= 65536:
         return False
     if setting is None:
         logit_bytes = batch * (2 * num_positions - 1) * vocab * element_size
@@ -1224,7 +1229,8 @@ def rejection_sample_triton(
     else:
         block = 4096 if pairs * triton.cdiv(vocab, 4096) >= 4 * sms else 1024
     prefetch = cfg["stats_prefetch"]
-    live_skip = _live_skip(cfg["live_skip"], compute_scores, batch, num_positions, vocab, target.element_size())
+    live_skip = _live_skip(cfg["live_skip"], compute_scores, has_mask or all_greedy, batch, num_positions, vocab,
+                           target.element_size())
     if live_skip and cfg["stats_programs"] is None:
         stats_programs = LIVE_SKIP_STATS_PROGRAMS.get(target.element_size(), 32)
     else:

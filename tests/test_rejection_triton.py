@@ -699,8 +699,10 @@ def _live_skip_case(batch: int, num_drafts: int, vocab: int, dtype=torch.float32
 def test_live_skip_reads_nothing_past_a_certain_rejection_and_stays_exact(splits, monkeypatch) -> None:
     """tune['live_skip']: the statistics in one position-major launch (a [S, B * K] grid); the last program of a
     position certainly rejected marks the row, and programs of its later positions stop reading. No position a
-    row can reach is ever cut short, and tokens and counts equal the reference's, at T = 1 and with greedy rows
-    and at T = 0. The interpreter runs the programs one after another, so there the skips are deterministic: with
+    row can reach is ever cut short, and tokens and counts equal the reference's, at T = 1 with full and ragged
+    draft counts; a batch with greedy rows, or at T = 0, falls back to the usual grid (the launcher never runs live
+    skip with greedy rows) and is exact too. The interpreter runs the programs one after another, so there the
+    skips are deterministic: with
     one split (all of a position's programs before the next position's) every position past a row's rejection
     reads nothing (its partials stay empty); with three (split s of every position after split s - 1 of all of
     them) only the last split of those positions does. On a GPU the programs overlap and which ones stop depends
@@ -728,31 +730,34 @@ def test_live_skip_reads_nothing_past_a_certain_rejection_and_stays_exact(splits
         assert bool(past.any())
         assert torch.equal(empty[:, :num_drafts, -1], past)
         assert not empty[:, :num_drafts, :-1].any() if splits == 3 else empty[:, :num_drafts][past].all()
-    # greedy rows (exact arg-max rejections) and ragged draft counts in the same batch
-    greedy_mask = torch.arange(batch, device=DEVICE) % 2 == 0
+    # ragged draft counts (rows ending before, at and after their rejection), then greedy rows / T = 0
     counts = torch.tensor([4, 3, 4, 0, 2, 4, 1, 4, 4, 2], device=DEVICE)
-    for temperature in (0.7, 0.0):
-        ref = rejection_sample_reference(target, draft, drafts, seeds, offsets, temperature, greedy_mask=greedy_mask,
+    greedy_mask = torch.arange(batch, device=DEVICE) % 2 == 0
+    for temperature, mask, live in ((1.0, None, True), (0.7, greedy_mask, False), (0.0, None, False)):
+        ref = rejection_sample_reference(target, draft, drafts, seeds, offsets, temperature, greedy_mask=mask,
                                          num_draft_tokens=counts)
-        got = rejection_sample_triton(target, draft, drafts, seeds, offsets, temperature, greedy_mask=greedy_mask,
+        got = rejection_sample_triton(target, draft, drafts, seeds, offsets, temperature, greedy_mask=mask,
                                       num_draft_tokens=counts, block_v=64, num_splits=splits, tune=tune)
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+        assert (spy.grid[0] == splits) == live  # position-major (splits, B * K) only without greedy rows
 
 
 def test_live_skip_rule() -> None:
     import specdec.kernels.rejection_sampling as kernel
     from specdec.kernels.rejection_sampling import _live_skip
 
-    assert _live_skip(True, False, 32, 9, 151936, 2) and not _live_skip(False, False, 128, 9, 151936, 4)
-    assert not _live_skip(True, True, 32, 9, 151936, 2)  # scores need every position
-    assert not _live_skip(True, False, 8192, 8, 100, 4)  # the grid's second dimension (B * K) < 65536
+    assert _live_skip(True, False, False, 32, 9, 151936, 2) and not _live_skip(False, False, False, 128, 9, 151936, 4)
+    assert not _live_skip(True, True, False, 32, 9, 151936, 2)  # scores need every position
+    assert not _live_skip(True, False, True, 32, 9, 151936, 2)  # greedy rows (barriers in their statistics loop)
+    assert not _live_skip(True, False, False, 8192, 8, 100, 4)  # the grid's second dimension, B * (K + 1) < 65536
     # automatic: >= 500 MB of logits with K >= 4 on the GPU (the interpreter never picks it)
     on_gpu = not kernel._INTERPRET
-    assert kernel._live_skip(None, False, 128, 9, 151936, 4) == on_gpu  # 1.3 GB
-    assert kernel._live_skip(None, False, 128, 9, 151936, 2) == on_gpu  # 661 MB
-    assert kernel._live_skip(None, False, 128, 5, 151936, 4) == on_gpu  # K = 4, 700 MB
-    assert not _live_skip(None, False, 256, 4, 151936, 4)  # K = 3
-    assert not _live_skip(None, False, 32, 9, 151936, 4)  # 331 MB
+    assert kernel._live_skip(None, False, False, 128, 9, 151936, 4) == on_gpu  # 1.3 GB
+    assert kernel._live_skip(None, False, False, 128, 9, 151936, 2) == on_gpu  # 661 MB
+    assert kernel._live_skip(None, False, False, 128, 5, 151936, 4) == on_gpu  # K = 4, 700 MB
+    assert not _live_skip(None, False, True, 128, 9, 151936, 4)  # greedy rows
+    assert not _live_skip(None, False, False, 256, 4, 151936, 4)  # K = 3
+    assert not _live_skip(None, False, False, 32, 9, 151936, 4)  # 331 MB
 
 
 @gpu_only
@@ -760,8 +765,8 @@ def test_live_skip_rule() -> None:
 @pytest.mark.parametrize("stats_programs", [4, 32])
 def test_live_skip_gpu_exact(stats_programs, dtype) -> None:
     """On the GPU the programs of a launch overlap, so which ones skip depends on timing: with few and with many
-    statistics programs per SM, sampled, greedy and temperature-0 rows, ragged counts and -1 drafts, the tokens
-    equal the reference's."""
+    statistics programs per SM, ragged counts and -1 drafts, repeated calls give the reference's tokens (the
+    batches with greedy rows and at T = 0 run the usual grid: the launcher never uses live skip with greedy rows)."""
     batch = 32
     target, draft, drafts, seeds, offsets = make_case(batch, 8, 151936, dtype, seed=stats_programs, noise=0.4)
     drafts[0, 6:] = -1
