@@ -1017,9 +1017,9 @@ def _live_skip(setting: bool | None, compute_scores: bool, greedy_rows: bool, ba
 
 
 LIVE_SKIP_BYTES = 500e6
-# statistics programs per SM with live_skip, by logit element size (H100, same sweeps: fp32 16 and 32 within 4% of
-# each other at B >= 64; bf16 32 beat 16 by 5-8% at (128, 8))
-LIVE_SKIP_STATS_PROGRAMS = {4: 16, 2: 32}
+# statistics programs per SM with live_skip: fp32 logits / 16-bit logits (H100, same sweeps: fp32 16 and 32 within
+# 4% of each other at B >= 64; bf16 32 beat 16 by 5-8% at (128, 8))
+LIVE_SKIP_STATS_PROGRAMS = (16, 32)
 
 
 def _auto_stages(num_positions: int, batch: int, vocab: int, element_size: int) -> tuple[int, ...]:
@@ -1232,7 +1232,7 @@ def rejection_sample_triton(
     live_skip = _live_skip(cfg["live_skip"], compute_scores, has_mask or all_greedy, batch, num_positions, vocab,
                            target.element_size())
     if live_skip and cfg["stats_programs"] is None:
-        stats_programs = LIVE_SKIP_STATS_PROGRAMS.get(target.element_size(), 32)
+        stats_programs = LIVE_SKIP_STATS_PROGRAMS[0 if target.element_size() == 4 else 1]
     else:
         stats_programs = _stats_programs(cfg["stats_programs"], target.element_size(), vocab, num_drafts, batch)
     auto_warps = 8 if block >= 4096 else 4
