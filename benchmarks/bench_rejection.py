@@ -14,10 +14,12 @@ Providers (``provider`` column):
   flashinfer_kernel  ``chain_speculative_sampling`` alone, handed precomputed probabilities
 
 ``gbps`` counts the logical input bytes ``B (2K+1) V esize`` once; ``gbps_read`` (specdec only) counts the bytes
-the kernel actually reads on these inputs (early exit and the race's re-read of the stop row included). With
+the kernel reads on these inputs (early exit and the race's re-read of the stop row included; not the first tile a
+prefetching statistics program loads before it finds its row stopped, a few % at most, so a slight undercount). With
 ``live_skip`` how far a program reads past a rejection depends on timing, so there it counts only the bytes every
-plan must read (``bytes_needed``: the statistics rows up to each request's stop and the race's stop row): a lower
-bound on the bytes read, so ``gbps_read`` and ``frac_copy`` are lower bounds on the rate achieved (noted per row).
+plan of this kernel reads (``bytes_needed``: the statistics rows up to each request's stop and the race's stop row):
+a lower bound on the bytes read, so ``gbps_read`` and ``frac_copy`` are lower bounds on the rate achieved (noted per
+row). ``benchmarks/ncu_bytes_read.sh`` measures the bytes with Nsight Compute.
 
 Usage: python benchmarks/bench_rejection.py [--quick] [--out benchmarks/results] [--max-seconds 420]
        [--dtypes bf16] [--shapes 151936:1:4,32000:8:1,...] (V:B:K triples) [--tag _v3] (CSV name suffix)
@@ -89,10 +91,13 @@ def bytes_read(strategy, num_accepted, num_drafts, vocab, esize, stages=None):
     return float(rows.sum()) * vocab * esize
 
 
-def bytes_needed(num_accepted, num_drafts, vocab, esize):
-    """Bytes any sampled plan must read on these inputs: the target and draft rows of positions 0 .. min(n, K - 1)
-    for a request that accepts n drafts (its accept tests), then the race's row(s) at its stop position (target,
-    plus draft after a rejection)."""
+LOWER_BOUND_NOTE = "gbps_read/frac_copy: lower bounds (live_skip reads at least the rows up to each stop)"
+
+
+def bytes_needed(num_accepted: torch.Tensor, num_drafts: int, vocab: int, esize: int) -> float:
+    """Bytes every plan of this kernel reads on these inputs (sampled rows, all drafts real): the target and draft
+    rows of positions 0 .. min(n, K - 1) for a request that accepts n drafts (its accept tests need whole rows to
+    normalise), then the race's row(s) at its stop position (the target row, plus the draft row after a rejection)."""
     acc = num_accepted.double()
     rejected = (acc < num_drafts).double()
     rows = 2 * torch.clamp(acc + 1, max=num_drafts) + 1 + rejected
@@ -228,8 +233,8 @@ def run_sweep(shapes, dtype_name, out_path, l2_bytes, copy_gbps, env, max_second
     """Time every SWEEP configuration of the "split" strategy at each V:B:K shape (same inputs, same process)."""
     dtype = DTYPES[dtype_name]
     esize = torch.tensor([], dtype=dtype).element_size()
-    fields = ["config", "B", "K", "V", "dtype", "median_us", "p20_us", "p80_us", "gbps_read", "frac_copy",
-              "match_ref", "tune", "gpu", "torch", "triton", "note"]
+    fields = ["config", "B", "K", "V", "dtype", "median_us", "p20_us", "p80_us", "gbps_read", "copy_gbps",
+              "frac_copy", "match_ref", "tune", "gpu", "torch", "triton", "note"]
     with open(out_path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
@@ -263,16 +268,18 @@ def run_sweep(shapes, dtype_name, out_path, l2_bytes, copy_gbps, env, max_second
                 cfg = dict(TUNE_DEFAULT, **tune)
                 plan = _stage_plan(num_drafts + 1, batch, False, cfg["stages"], vocab, esize)
                 read = bytes_read("split", ref[1], num_drafts, vocab, esize, plan)
-                if _live_skip(cfg["live_skip"], False, False, batch, num_drafts + 1, vocab, esize):
-                    read = bytes_needed(ref[1], num_drafts, vocab, esize)  # a lower bound (timing-dependent reads)
                 if tune.get("stats_only"):
                     read = batch * (2 * num_drafts + 1) * vocab * esize
+                elif _live_skip(cfg["live_skip"], False, False, batch, num_drafts + 1, vocab, esize):
+                    read = bytes_needed(ref[1], num_drafts, vocab, esize)  # timing-dependent reads
+                    note = (note + " " + LOWER_BOUND_NOTE).strip()
                 row = dict(config=name, B=batch, K=num_drafts, V=vocab, dtype=dtype_name, median_us=f"{med:.2f}",
                            p20_us=f"{p20:.2f}", p80_us=f"{p80:.2f}", gbps_read=f"{read / med / 1e3:.1f}",
-                           frac_copy=f"{read / med / 1e3 / copy_gbps:.3f}", match_ref=match,
+                           copy_gbps=f"{copy_gbps:.0f}", frac_copy=f"{read / med / 1e3 / copy_gbps:.3f}",
+                           match_ref=match, note=note, **env,
                            tune=str(dict(cfg, race_plan_resolved=_race_plan(esize, batch, cfg, None, False, vocab),
                                          l2_keep_resolved=_l2_keep(cfg["l2_keep"], esize, vocab, num_drafts,
-                                                                   batch))), note=note, **env)
+                                                                   batch))))
                 writer.writerow(row)
                 handle.flush()
                 print(f"sweep {name:18s} {dtype_name} B={batch:3d} K={num_drafts} V={vocab:6d} {med:8.1f} us "
@@ -436,8 +443,7 @@ def main() -> None:
                     read = bytes_read(used, out[1], num_drafts, vocab, esize, plan)
                     if used == "split" and _live_skip(None, False, False, batch, num_drafts + 1, vocab, esize):
                         read = bytes_needed(out[1], num_drafts, vocab, esize)  # timing-dependent reads
-                        row["note"] = (row.get("note", "") + " gbps_read/frac_copy: lower bounds (live_skip reads "
-                                       "at least the rows up to each stop)").strip()
+                        row["note"] = (row.get("note", "") + " " + LOWER_BOUND_NOTE).strip()
                 row.update(kernel="rejection_sample", provider=provider, B=batch, K=num_drafts,
                            V=vocab, dtype=dtype_name, median_us=f"{med:.2f}", p20_us=f"{p20:.2f}",
                            p80_us=f"{p80:.2f}", gbps=f"{logical / med / 1e3:.1f}",

@@ -16,7 +16,7 @@ for case in "$@"; do
   for plan in default no_live; do
     tune='{}'
     [ "$plan" = no_live ] && tune='{"live_skip": false}'
-    "$NCU" --csv --clock-control none --metrics dram__bytes_read.sum,gpu__time_duration.sum \
+    "$NCU" --csv --print-units base --clock-control none --metrics dram__bytes_read.sum \
       --kernel-name regex:'_stats_kernel|_race_kernel|_finalize_kernel' \
       python3 benchmarks/ncu_one_call.py --shape "$vocab:$batch:$drafts" --dtype "$dtype" --calls 3 --tune "$tune" \
       > "$OUT/ncu_bytes_${vocab}_${batch}_${drafts}_${dtype}_${plan}.csv" 2> "$OUT/ncu_bytes_${vocab}_${batch}_${drafts}_${dtype}_${plan}.log"
