@@ -1001,22 +1001,33 @@ def _live_skip(setting: bool | None, compute_scores: bool, greedy_rows: bool, ba
     Never with scores (they need every position), with a batch that may hold greedy rows (their arg-max puts
     block-wide barriers in the statistics loop, so every warp of a program must run the same number of tiles, while
     each thread reads the row's word on its own), or when the grid's second dimension, B * (K + 1) at most, would
-    reach 65536. None (automatic): on the GPU with K >= 4 and at least
-    LIVE_SKIP_BYTES of logits. H100, same process (results/rejection_sweep_H100_80GB_HBM3_s15_rule_*.csv), against
-    the plan it replaces (one launch, or positions 0-2 then 3-K): fp32 (128, 8, 151936) 321 -> 269 us, (128, 8,
-    128256) 284 -> 238, (128, 6, 151936) 295 -> 250, (128, 4, 151936) 264 -> 207, (64, 8, 151936) 182 -> 157,
-    (256, 8, 151936) 680 -> 537; bf16 (128, 8, 151936) 180 -> 165, (128, 8, 128256) 160 -> 144. Below that it was
-    within the runs' spread or slower: fp32 (32, 8, 151936) 93-94 -> 95-97 us, (32, 8, 32000) 32 -> 33-36, and
-    below ~15 MB the zeroed counters and the checks cost 2-8 us (results/rejection_sweep_H100_80GB_HBM3_s15_live*)."""
+    reach 65536. None (automatic): on the GPU with K >= 4 and at least LIVE_SKIP_BYTES of logits, or, for fp32
+    logits with B >= LIVE_SKIP_FP32_BATCH, at least LIVE_SKIP_FP32_BYTES (session 16, see there). H100, same process
+    (results/rejection_sweep_H100_80GB_HBM3_s15_rule_*.csv), against the plan it replaces (one launch, or positions
+    0-2 then 3-K): fp32 (128, 8, 151936) 321 -> 269 us, (128, 8, 128256) 284 -> 238, (128, 6, 151936) 295 -> 250,
+    (128, 4, 151936) 264 -> 207, (64, 8, 151936) 182 -> 157, (256, 8, 151936) 680 -> 537; bf16 (128, 8, 151936)
+    180 -> 165, (128, 8, 128256) 160 -> 144. Below that it was within the runs' spread or slower: fp32 (32, 8, 151936)
+    93-94 -> 95-97 us, (32, 8, 32000) 32 -> 33-36, and below ~15 MB the zeroed counters and the checks cost 2-8 us
+    (results/rejection_sweep_H100_80GB_HBM3_s15_live*)."""
     if compute_scores or greedy_rows or batch * num_positions >= 65536:
         return False
     if setting is None:
         logit_bytes = batch * (2 * num_positions - 1) * vocab * element_size
-        return not _INTERPRET and num_positions >= 5 and logit_bytes >= LIVE_SKIP_BYTES
+        large = logit_bytes >= LIVE_SKIP_BYTES or (element_size == 4 and batch >= LIVE_SKIP_FP32_BATCH
+                                                   and logit_bytes >= LIVE_SKIP_FP32_BYTES)
+        return not _INTERPRET and num_positions >= 5 and large
     return bool(setting)
 
 
 LIVE_SKIP_BYTES = 500e6
+# fp32 logits from B = 48: from 200 MB. H200 with this rule (16 programs per SM) against the plan it replaces, same
+# process (results/rejection_sweep_H200_s16_live_rule.csv, every row exact): faster at all 8 shapes, by 6-21%, e.g.
+# (48, 4, 128256) 75.6 -> 66.7 us, (64, 4, 151936) 99.3 -> 89.1, (128, 8, 32000) 64.0 -> 59.9, (64, 8, 65536) 79.4 ->
+# 62.4. H100: (64, 4, 128256) 115.5 -> 100.4 (..._s16_k4_live.csv), (128, 8, 32000) 81.6 -> 77.2 (..._s15_rule_fp32).
+# At B = 32 it lost on the H200 ((32, 4, 151936) 54.5 -> 58.6 us, (32, 5, 128256) 55.4 -> 57.8, 8 per SM;
+# ..._H200_s16_k4_live_b.csv) and at B <= 16 on both cards.
+LIVE_SKIP_FP32_BYTES = 200e6
+LIVE_SKIP_FP32_BATCH = 48
 # statistics programs per SM with live_skip: fp32 logits / 16-bit logits (H100, same sweeps: fp32 16 and 32 within
 # 4% of each other at B >= 64; bf16 32 beat 16 by 5-8% at (128, 8))
 LIVE_SKIP_STATS_PROGRAMS = (16, 32)
