@@ -104,6 +104,15 @@ def bytes_needed(num_accepted: torch.Tensor, num_drafts: int, vocab: int, esize:
     return float(rows.sum()) * vocab * esize
 
 
+def split_bytes(num_accepted, batch: int, num_drafts: int, vocab: int, esize: int, cfg: dict) -> tuple[float, str]:
+    """Bytes the "split" strategy reads with launch settings ``cfg`` (sampled rows, T > 0) and the row's note: the
+    staged count of ``bytes_read``, or with live skip the lower bound ``bytes_needed`` and ``LOWER_BOUND_NOTE``."""
+    if _live_skip(cfg["live_skip"], False, False, batch, num_drafts + 1, vocab, esize):
+        return bytes_needed(num_accepted, num_drafts, vocab, esize), LOWER_BOUND_NOTE
+    plan = _stage_plan(num_drafts + 1, batch, False, cfg["stages"], vocab, esize)
+    return bytes_read("split", num_accepted, num_drafts, vocab, esize, plan), ""
+
+
 def diagnose(s0, out, ref, num_drafts):
     """Print the rows where specdec and the reference differ, with float64 decision margins (near-ties?)."""
     bad = (out[0] != ref[0]).any(1).nonzero().flatten().tolist()
@@ -266,13 +275,11 @@ def run_sweep(shapes, dtype_name, out_path, l2_bytes, copy_gbps, env, max_second
                     med = p20 = p80 = float("nan")
                     note = f"{type(exc).__name__}: {str(exc)[:200]}"
                 cfg = dict(TUNE_DEFAULT, **tune)
-                plan = _stage_plan(num_drafts + 1, batch, False, cfg["stages"], vocab, esize)
-                read = bytes_read("split", ref[1], num_drafts, vocab, esize, plan)
                 if tune.get("stats_only"):
                     read = batch * (2 * num_drafts + 1) * vocab * esize
-                elif _live_skip(cfg["live_skip"], False, False, batch, num_drafts + 1, vocab, esize):
-                    read = bytes_needed(ref[1], num_drafts, vocab, esize)  # timing-dependent reads
-                    note = (note + " " + LOWER_BOUND_NOTE).strip()
+                else:
+                    read, bound_note = split_bytes(ref[1], batch, num_drafts, vocab, esize, cfg)
+                    note = (note + " " + bound_note).strip()
                 row = dict(config=name, B=batch, K=num_drafts, V=vocab, dtype=dtype_name, median_us=f"{med:.2f}",
                            p20_us=f"{p20:.2f}", p80_us=f"{p80:.2f}", gbps_read=f"{read / med / 1e3:.1f}",
                            copy_gbps=f"{copy_gbps:.0f}", frac_copy=f"{read / med / 1e3 / copy_gbps:.3f}",
@@ -438,12 +445,11 @@ def main() -> None:
                     match = str(bool(torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])))
                     if match == "False":
                         diagnose(s0, out, ref, num_drafts)
-                    used = "split" if strategy == "auto" else strategy
-                    plan = _stage_plan(num_drafts + 1, batch, False, TUNE_DEFAULT["stages"], vocab, esize)
-                    read = bytes_read(used, out[1], num_drafts, vocab, esize, plan)
-                    if used == "split" and _live_skip(None, False, False, batch, num_drafts + 1, vocab, esize):
-                        read = bytes_needed(out[1], num_drafts, vocab, esize)  # timing-dependent reads
-                        row["note"] = (row.get("note", "") + " " + LOWER_BOUND_NOTE).strip()
+                    if strategy == "seq":
+                        read = bytes_read("seq", out[1], num_drafts, vocab, esize)
+                    else:
+                        read, bound_note = split_bytes(out[1], batch, num_drafts, vocab, esize, TUNE_DEFAULT)
+                        row["note"] = (row.get("note", "") + " " + bound_note).strip()
                 row.update(kernel="rejection_sample", provider=provider, B=batch, K=num_drafts,
                            V=vocab, dtype=dtype_name, median_us=f"{med:.2f}", p20_us=f"{p20:.2f}",
                            p80_us=f"{p80:.2f}", gbps=f"{logical / med / 1e3:.1f}",

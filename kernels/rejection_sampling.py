@@ -45,9 +45,9 @@ Two launch strategies compute the same function:
   row's last draft are skipped; without greedy rows the bonus position gets no programs at all. For large
   inputs (K >= 6, logits >= 200 MB) it runs as two launches, positions 0-2 then 3-K, and a row that certainly
   stopped before position 3 reads nothing in the second (staged statistics, :func:`_rejected_before`; the race
-  kernel still makes every decision). From 500 MB of logits with K >= 4 it runs instead as one launch in
-  position-major order whose programs stop reading a row as soon as an earlier position of it is certainly
-  rejected (``live_skip``, see :func:`_live_skip`).
+  kernel still makes every decision). From 500 MB of logits with K >= 4 (fp32 logits with B >= 48: from 200 MB)
+  it runs instead as one launch in position-major order whose programs stop reading a row as soon as an earlier
+  position of it is certainly rejected (``live_skip``, see :func:`_live_skip`).
   (2) ``_race_kernel``, grid ``(B, S2)``: every program combines the partials of its row (vectorised over
   positions), runs the accept tests, finds the stop position, then runs level 1 of the race on its vocabulary
   chunk of the stop row only (blocks of ``race_tiles`` tiles, one warp per tile, so the tile sums are warp
