@@ -1024,8 +1024,8 @@ LIVE_SKIP_BYTES = 500e6
 # process (results/rejection_sweep_H200_s16_live_rule.csv, every row exact): faster at all 8 shapes, by 6-21%, e.g.
 # (48, 4, 128256) 75.6 -> 66.7 us, (64, 4, 151936) 99.3 -> 89.1, (128, 8, 32000) 64.0 -> 59.9, (64, 8, 65536) 79.4 ->
 # 62.4. H100, same process (results/rejection_sweep_H100_80GB_HBM3_s17_live_rule.csv, the same 8 shapes, twice each,
-# every row exact): faster at all 8, by 6-17%, e.g. (48, 4, 128256) 96.4 -> 80.4 us, (96, 4, 100000) 135.6 -> 112.9,
-# (128, 8, 32000) 82.4 -> 77.6.
+# every row exact): faster at all 8, by 6-17%, e.g. (48, 4, 128256) 96.4 -> 80.4 us, (96, 4, 100000) 135.5 -> 112.9,
+# (128, 8, 32000) 82.3 -> 77.6.
 # At B = 32 it lost on the H200 ((32, 4, 151936) 54.5 -> 58.6 us, (32, 5, 128256) 55.4 -> 57.8, 8 per SM;
 # ..._H200_s16_k4_live_b.csv) and at B <= 16 on both cards.
 LIVE_SKIP_FP32_BYTES = 200e6
