@@ -231,6 +231,11 @@ SWEEP = {
     **{f"live_p{n}_b1024": dict(live_skip=True, stats_programs=n, stats_block=1024, stats_warps=4,
                                 stats_prefetch=True) for n in (16, 32)},
     **{f"stats:live_p{n}": dict(live_skip=True, stats_programs=n, stats_only=True) for n in (8, 32)},
+    # session 17: warps of the statistics programs (the prefetched 4096 plan holds 247 registers at 8 warps, so one
+    # program per SM is resident; results/stats_kernel_registers_triton36_sm90.csv)
+    "stats_w16": dict(stats_warps=16),
+    "stats_w16_prog2": dict(stats_warps=16, stats_programs=2),
+    "stats_w4": dict(stats_warps=4),
 }
 # Earlier sweeps (results/rejection_sweep_H200_v5..v9*.csv) also timed other settings; every row records its tune.
 SWEEP_SMALL = ("default", "stats_pf", "stats_nopf", "race_t4w4", "stats_prog8", "pdl0", "stats:default")
