@@ -43,11 +43,12 @@ Two launch strategies compute the same function:
   (1) ``_stats_kernel``, grid ``(B*(K+1), S)``: every program reduces one vocabulary chunk of one (row, position)
   pair to partial (max, sum-exp) of target and draft and, for greedy rows, the lowest arg-max. Positions past a
   row's last draft are skipped; without greedy rows the bonus position gets no programs at all. For large
-  inputs (K >= 6, logits >= 200 MB) it runs as two launches, positions 0-2 then 3-K, and a row that certainly
-  stopped before position 3 reads nothing in the second (staged statistics, :func:`_rejected_before`; the race
-  kernel still makes every decision). From 500 MB of logits with K >= 4 (fp32 logits with B >= 48: from 200 MB)
-  it runs instead as one launch in position-major order whose programs stop reading a row as soon as an earlier
-  position of it is certainly rejected (``live_skip``, see :func:`_live_skip`).
+  inputs (K >= 6, logits >= 200 MB) it runs as two launches, positions 0-2 then 3-K (fp32 logits with K = 6: 0-1
+  then 2-6), and a row that certainly stopped before the second launch's first position reads nothing in it
+  (staged statistics, :func:`_rejected_before`; the race kernel still makes every decision). From 500 MB of logits
+  with K >= 4 (fp32 logits with B >= 48: from 200 MB) it runs instead as one launch in position-major order whose
+  programs stop reading a row as soon as an earlier position of it is certainly rejected (``live_skip``, see
+  :func:`_live_skip`).
   (2) ``_race_kernel``, grid ``(B, S2)``: every program combines the partials of its row (vectorised over
   positions), runs the accept tests, finds the stop position, then runs level 1 of the race on its vocabulary
   chunk of the stop row only (blocks of ``race_tiles`` tiles, one warp per tile, so the tile sums are warp
@@ -1041,12 +1042,24 @@ def _auto_stages(num_positions: int, batch: int, vocab: int, element_size: int) 
     H200 sweep (``results/rejection_sweep_H200_stages_{bf16,fp32}.csv``): positions 0-2, then 3-K, wins when
     K >= 6 and the logits are >= 200 MB ((32, 8, 151936) fp32 106 -> 91 us, (128, 8, 151936) bf16 214 -> 191 us,
     fp32 375 -> 264 us); below that (bf16 (32, 8): 66 -> 73 us) or with K = 4 the extra launch costs more.
+    fp32 logits with K = 6: positions 0-1, then 2-6 (session 17, same process, each plan twice, means; every row
+    exact). Against 0-2 / 3-6, H100 (results/rejection_sweep_H100_80GB_HBM3_s17_stages{,_c,_d}.csv):
+    (32, 6, 128256) 78.8 -> 73.4 us, (32, 6, 151936) 94.7 -> 85.6 and 95.7 -> 86.3, (40, 6, 128256) 86.8 -> 85.3
+    and 89.3 -> 86.9, (40, 6, 100000) 71.1 -> 71.0; H200 (..._H200_s17_stages.csv): (32, 6, 128256) 67.0 -> 57.6.
+    Not for K = 7 or 8, where positions 0-1 first won at V = 128256 only (H100 (32, 7, 151936) 97.5 -> 98.5,
+    (32, 8, 151936) 92.7 -> 101.1, (32, 8, 100000) 69.2 -> 71.1; ..._log_H100_s17_stages_b_fp32.txt), nor for 16-bit
+    logits (H100 bf16 (64, 6, 151936) 94.6 -> 99.0, (128, 6, 128256) 140.8 -> 151.7; ..._s17_stages_b_bf16.csv). The
+    cause was not measured (the plans' grids fill different numbers of waves). Below 200 MB, fp32 K = 6, positions
+    0-1 / 2-6 also beat one launch on the H100 ((32, 6, 100000) 71.9 -> 54.3 and 73.8 -> 56.1, (32, 6, 120000)
+    86.3 -> 72.8): not adopted, the threshold below which it stops paying was not measured.
     """
     if _INTERPRET:
         return (2, 4) if num_positions >= 3 else ()  # CPU tests: every staged path runs
     logit_bytes = batch * (2 * num_positions - 1) * vocab * element_size
     if num_positions < 7 or logit_bytes < 200e6:
         return ()
+    if element_size == 4 and num_positions == 7:
+        return (2,)
     return (3,)
 
 

@@ -734,6 +734,23 @@ def test_live_skip_reads_nothing_past_a_certain_rejection_and_stays_exact(splits
         assert (spy.grid[0] == splits) == live  # position-major (splits, B * K) only without greedy rows
 
 
+def test_auto_stages_rule(monkeypatch) -> None:
+    """The automatic staged plan, as on the GPU: positions 0-2 then 3-K from 200 MB of logits with K >= 6, except
+    fp32 logits with K = 6 (positions 0-1 then 2-6); one launch otherwise. Each negative case misses one condition."""
+    import specdec.kernels.rejection_sampling as kernel
+    from specdec.kernels.rejection_sampling import _auto_stages
+
+    monkeypatch.setattr(kernel, "_INTERPRET", False)
+    assert _auto_stages(9, 32, 151936, 4) == (3,)  # fp32 K = 8, 331 MB
+    assert _auto_stages(9, 128, 151936, 2) == (3,)  # bf16 K = 8, 661 MB
+    assert _auto_stages(8, 32, 151936, 4) == (3,)  # fp32 K = 7
+    assert _auto_stages(7, 32, 128256, 4) == (2,)  # fp32 K = 6, 213 MB
+    assert _auto_stages(7, 64, 151936, 2) == (3,)  # bf16 K = 6, 253 MB
+    assert _auto_stages(7, 32, 100000, 4) == ()  # fp32 K = 6, 166 MB
+    assert _auto_stages(9, 32, 32000, 4) == ()  # 70 MB
+    assert _auto_stages(6, 128, 151936, 4) == ()  # K = 5
+
+
 def test_live_skip_rule(monkeypatch) -> None:
     import specdec.kernels.rejection_sampling as kernel
     from specdec.kernels.rejection_sampling import _live_skip
@@ -802,7 +819,7 @@ def test_stage_plans_gpu_several_vocabulary_splits(batch, dtype):
     for temperature, mask in ((1.0, None), (0.7, greedy_mask), (0.0, None)):
         ref = rejection_sample_reference(target, draft, drafts, seeds, offsets, temperature, greedy_mask=mask,
                                          num_draft_tokens=counts)
-        for stages in ((), (3,), (1, 2, 3, 4, 5, 6, 7, 8)):
+        for stages in ((), (2,), (3,), (1, 2, 3, 4, 5, 6, 7, 8)):
             got = rejection_sample_triton(target, draft, drafts, seeds, offsets, temperature, greedy_mask=mask,
                                           num_draft_tokens=counts, tune={"stages": stages})
             assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (temperature, stages)
