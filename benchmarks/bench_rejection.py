@@ -24,7 +24,8 @@ row). ``benchmarks/ncu_bytes_read.sh`` measures the bytes with Nsight Compute.
 Usage: python benchmarks/bench_rejection.py [--quick] [--out benchmarks/results] [--max-seconds 420]
        [--dtypes bf16] [--shapes 151936:1:4,32000:8:1,...] (V:B:K triples) [--tag _v3] (CSV name suffix)
        [--sweep 151936:1:4,151936:128:8] (launch-plan sweep of the "split" strategy, before the main grid:
-       ``SWEEP`` configurations, each timed and checked against the reference; ``rejection_sweep_<gpu><tag>.csv``)
+       ``SWEEP`` configurations, each timed and checked against the reference; ``rejection_sweep_<gpu><tag>.csv``,
+       appended to when it exists)
 """
 
 from __future__ import annotations
@@ -249,9 +250,15 @@ def run_sweep(shapes, dtype_name, out_path, l2_bytes, copy_gbps, env, max_second
     esize = torch.tensor([], dtype=dtype).element_size()
     fields = ["config", "B", "K", "V", "dtype", "median_us", "p20_us", "p80_us", "gbps_read", "copy_gbps",
               "frac_copy", "match_ref", "tune", "gpu", "torch", "triton", "note"]
-    with open(out_path, "w", newline="") as handle:
+    # append to a sweep file of the same name (two sweeps with one tag in one session, e.g. one per dtype, used to
+    # overwrite the first one's rows); the header is written once
+    fresh = not os.path.exists(out_path) or os.path.getsize(out_path) == 0
+    if not fresh:
+        print(f"# appending to {out_path}", flush=True)
+    with open(out_path, "a", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
+        if fresh:
+            writer.writeheader()
         budget = max_seconds - (time.time() - t_start)
         for vocab, batch, num_drafts in shapes:
             deadline = time.time() + budget / len(shapes)
