@@ -254,6 +254,10 @@ def run_sweep(shapes, dtype_name, out_path, l2_bytes, copy_gbps, env, max_second
     # overwrite the first one's rows); the header is written once
     fresh = not os.path.exists(out_path) or os.path.getsize(out_path) == 0
     if not fresh:
+        with open(out_path, newline="") as existing:
+            header = next(csv.reader(existing), [])
+        if header != fields:
+            raise ValueError(f"{out_path} exists with other columns ({header}); pick another --tag or --out")
         print(f"# appending to {out_path}", flush=True)
     with open(out_path, "a", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")

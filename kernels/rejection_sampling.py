@@ -1045,9 +1045,9 @@ def _auto_stages(num_positions: int, batch: int, vocab: int, element_size: int) 
     fp32 logits with K = 6: positions 0-1, then 2-6 (session 17, same process, each plan twice, means; every row
     exact). Against 0-2 / 3-6, H100 (results/rejection_sweep_H100_80GB_HBM3_s17_stages{,_c,_d}.csv):
     (32, 6, 128256) 78.8 -> 73.4 us, (32, 6, 151936) 94.7 -> 85.6 and 95.7 -> 86.3, (40, 6, 128256) 86.8 -> 85.3
-    and 89.3 -> 86.9, (40, 6, 100000) 71.1 -> 71.0; H200 (..._H200_s17_stages.csv): (32, 6, 128256) 67.0 -> 57.6.
+    and 89.3 -> 86.9, (40, 6, 100000) 71.0 -> 70.9; H200 (..._H200_s17_stages.csv): (32, 6, 128256) 67.0 -> 57.6.
     Not for K = 7 or 8, where positions 0-1 first won at V = 128256 only (H100 (32, 7, 151936) 97.5 -> 98.5,
-    (32, 8, 151936) 92.7 -> 101.1, (32, 8, 100000) 69.2 -> 71.1; ..._log_H100_s17_stages_b_fp32.txt), nor for 16-bit
+    ..._log_H100_s17_stages_b_fp32.txt; (32, 8, 151936) 92.7 -> 101.0, (32, 8, 100000) 69.2 -> 71.1), nor for 16-bit
     logits (H100 bf16 (64, 6, 151936) 94.6 -> 99.0, (128, 6, 128256) 140.8 -> 151.7; ..._s17_stages_b_bf16.csv). The
     cause was not measured (the plans' grids fill different numbers of waves). Below 200 MB, fp32 K = 6, positions
     0-1 / 2-6 also beat one launch on the H100 ((32, 6, 100000) 71.9 -> 54.3 and 73.8 -> 56.1, (32, 6, 120000)

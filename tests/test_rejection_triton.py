@@ -747,6 +747,7 @@ def test_auto_stages_rule(monkeypatch) -> None:
     assert _auto_stages(7, 32, 128256, 4) == (2,)  # fp32 K = 6, 213 MB
     assert _auto_stages(7, 64, 151936, 2) == (3,)  # bf16 K = 6, 253 MB
     assert _auto_stages(7, 32, 100000, 4) == ()  # fp32 K = 6, 166 MB
+    assert _auto_stages(7, 32, 120000, 4) == ()  # fp32 K = 6, 199.7 MB
     assert _auto_stages(9, 32, 32000, 4) == ()  # 70 MB
     assert _auto_stages(6, 128, 151936, 4) == ()  # K = 5
 
