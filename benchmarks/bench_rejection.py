@@ -47,6 +47,7 @@ from specdec.kernels.rejection_sampling import (  # noqa: E402
     TUNE_DEFAULT,
     _l2_keep,
     _live_skip,
+    _logit_bytes,
     _race_plan,
     _stage_plan,
     rejection_sample_triton,
@@ -266,7 +267,7 @@ def run_sweep(shapes, dtype_name, out_path, l2_bytes, copy_gbps, env, max_second
         budget = max_seconds - (time.time() - t_start)
         for vocab, batch, num_drafts in shapes:
             deadline = time.time() + budget / len(shapes)
-            set_bytes = batch * (2 * num_drafts + 1) * vocab * esize
+            set_bytes = _logit_bytes(batch, num_drafts + 1, vocab, esize)
             n_sets = max(1, min(16, math.ceil(2 * l2_bytes / set_bytes)))
             sets = [make_inputs(batch, num_drafts, vocab, dtype, seed=s) for s in range(n_sets)]
             s0 = sets[0]
@@ -292,7 +293,7 @@ def run_sweep(shapes, dtype_name, out_path, l2_bytes, copy_gbps, env, max_second
                     note = f"{type(exc).__name__}: {str(exc)[:200]}"
                 cfg = dict(TUNE_DEFAULT, **tune)
                 if tune.get("stats_only"):
-                    read = batch * (2 * num_drafts + 1) * vocab * esize
+                    read = _logit_bytes(batch, num_drafts + 1, vocab, esize)
                 else:
                     read, bound_note = split_bytes(ref[1], batch, num_drafts, vocab, esize, cfg)
                     note = (note + " " + bound_note).strip()
@@ -387,7 +388,7 @@ def main() -> None:
             if time.time() - t_start > args.max_seconds:
                 print(f"# time budget reached, skipping {dtype_name} V={vocab} K={num_drafts} B={batch}")
                 continue
-            set_bytes = batch * (2 * num_drafts + 1) * vocab * esize
+            set_bytes = _logit_bytes(batch, num_drafts + 1, vocab, esize)
             n_sets = max(1, min(16, math.ceil(2 * l2_bytes / set_bytes)))
             sets = [make_inputs(batch, num_drafts, vocab, dtype, seed=s) for s in range(n_sets)]
             s0 = sets[0]

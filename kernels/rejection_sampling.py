@@ -995,6 +995,11 @@ def _stage_plan(num_positions: int, batch: int, compute_scores: bool, stages, vo
     return [(lo, hi - lo) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
+def _logit_bytes(batch: int, num_positions: int, vocab: int, element_size: int) -> int:
+    """Bytes of one call's logits: B (K + 1) target rows and B K draft rows of V entries (the launch rules' size)."""
+    return batch * (2 * num_positions - 1) * vocab * element_size
+
+
 def _live_skip(setting: bool | None, compute_scores: bool, greedy_rows: bool, batch: int, num_positions: int,
                vocab: int, element_size: int) -> bool:
     """Whether the statistics run as one position-major launch whose programs stop reading rows already certainly
@@ -1013,7 +1018,7 @@ def _live_skip(setting: bool | None, compute_scores: bool, greedy_rows: bool, ba
     if compute_scores or greedy_rows or batch * num_positions >= 65536:
         return False
     if setting is None:
-        logit_bytes = batch * (2 * num_positions - 1) * vocab * element_size
+        logit_bytes = _logit_bytes(batch, num_positions, vocab, element_size)
         large = logit_bytes >= LIVE_SKIP_BYTES or (element_size == 4 and batch >= LIVE_SKIP_FP32_BATCH
                                                    and logit_bytes >= LIVE_SKIP_FP32_BYTES)
         return not _INTERPRET and num_positions >= 5 and large
@@ -1036,6 +1041,9 @@ LIVE_SKIP_FP32_BATCH = 48
 LIVE_SKIP_STATS_PROGRAMS = (16, 32)
 
 
+STAGES_BYTES = 200e6  # logits from which the statistics run in two launches (K >= 6), see _auto_stages
+
+
 def _auto_stages(num_positions: int, batch: int, vocab: int, element_size: int) -> tuple[int, ...]:
     """Staged statistics where reading fewer rows beats one more launch and its skip checks.
 
@@ -1055,8 +1063,7 @@ def _auto_stages(num_positions: int, batch: int, vocab: int, element_size: int) 
     """
     if _INTERPRET:
         return (2, 4) if num_positions >= 3 else ()  # CPU tests: every staged path runs
-    logit_bytes = batch * (2 * num_positions - 1) * vocab * element_size
-    if num_positions < 7 or logit_bytes < 200e6:
+    if num_positions < 7 or _logit_bytes(batch, num_positions, vocab, element_size) < STAGES_BYTES:
         return ()
     if element_size == 4 and num_positions == 7:
         return (2,)

@@ -479,13 +479,14 @@ def _statistical_check(strategy: str, rows: int, temperature: float, seed: int, 
                    what=f"{strategy} accepted counts")
 
 
-STAT_ROWS = {"public": 20000 if CUDA else 1200, "split": 20000 if CUDA else 400}  # "split": the race-tile test
+PUBLIC_STAT_ROWS = 20000 if CUDA else 1200
+RACE_TILE_STAT_ROWS = 100_000 if CUDA else 400
 
 
 def test_statistics_through_triton_backend():
     # the public entry point; its "auto" strategy runs the split kernels with the default plan (the split strategy
     # on its own, at 100k rows and two temperatures: test_statistics_gpu_many_rows)
-    _statistical_check("public", STAT_ROWS["public"], 0.8, seed=21)
+    _statistical_check("public", PUBLIC_STAT_ROWS, 0.8, seed=21)
 
 
 @gpu_only
@@ -503,8 +504,7 @@ def test_statistics_through_triton_with_two_level_race_across_tiles(race_tiles, 
     import specdec.kernels.rejection_sampling as kernel
 
     monkeypatch.setattr(kernel, "RACE_TILE", 2)
-    rows = 100_000 if CUDA else STAT_ROWS["split"]
-    _statistical_check("split", rows, 0.8, seed=23 + race_tiles, tune=dict(race_tiles=race_tiles))
+    _statistical_check("split", RACE_TILE_STAT_ROWS, 0.8, seed=23 + race_tiles, tune=dict(race_tiles=race_tiles))
 
 
 # ---------------------------------------------------------------------------------------------------------------
