@@ -1042,6 +1042,8 @@ LIVE_SKIP_STATS_PROGRAMS = (16, 32)
 
 
 STAGES_BYTES = 200e6  # logits from which the statistics run in two launches (K >= 6), see _auto_stages
+# fp32 logits with B < LIVE_SKIP_FP32_BATCH and K >= 4 (K = 6-7 at V <= FP32_SMALL_VOCAB): two launches from 100 MB
+STAGES_FP32_BYTES = 100e6
 
 
 def _auto_stages(num_positions: int, batch: int, vocab: int, element_size: int) -> tuple[int, ...]:
@@ -1054,16 +1056,29 @@ def _auto_stages(num_positions: int, batch: int, vocab: int, element_size: int) 
     exact). Against 0-2 / 3-6, H100 (results/rejection_sweep_H100_80GB_HBM3_s17_stages{,_c,_d}.csv):
     (32, 6, 128256) 78.8 -> 73.4 us, (32, 6, 151936) 94.7 -> 85.6 and 95.7 -> 86.3, (40, 6, 128256) 86.8 -> 85.3
     and 89.3 -> 86.9, (40, 6, 100000) 71.0 -> 70.9; H200 (..._H200_s17_stages.csv): (32, 6, 128256) 67.0 -> 57.6.
-    Not for K = 7 or 8, where positions 0-1 first won at V = 128256 only (H100 (32, 7, 151936) 97.5 -> 98.5,
-    ..._log_H100_s17_stages_b_fp32.txt; (32, 8, 151936) 92.7 -> 101.0, (32, 8, 100000) 69.2 -> 71.1), nor for 16-bit
-    logits (H100 bf16 (64, 6, 151936) 94.6 -> 99.0, (128, 6, 128256) 140.8 -> 151.7; ..._s17_stages_b_bf16.csv). The
-    cause was not measured (the plans' grids fill different numbers of waves). Below 200 MB, fp32 K = 6, positions
-    0-1 / 2-6 also beat one launch on the H100 ((32, 6, 100000) 71.9 -> 54.3 and 73.8 -> 56.1, (32, 6, 120000)
-    86.3 -> 72.8): not adopted, the threshold below which it stops paying was not measured.
+
+    fp32 logits with V > FP32_SMALL_VOCAB, K >= 4 and B < LIVE_SKIP_FP32_BATCH from STAGES_FP32_BYTES (100 MB):
+    positions 0-1 first for K <= 7, 0-2 for K >= 8 (session 18; both cards, each plan twice, same process, every row
+    exact; results/rejection_sweep_{H100_80GB_HBM3,H200}_s18_rule*.csv). Against one launch, means, H100 / H200:
+    (32, 7, 100000) 78.5 -> 53.1 / 60.6 -> 44.5 us, (16, 8, 151936) 69.1 -> 53.1 / 53.2 -> 46.8, (32, 5, 128256)
+    74.1 -> 62.5 / 56.6 -> 51.2, (32, 8, 80000) 71.1 -> 56.0 / 53.3 -> 46.2, (32, 4, 128256) 62.2 -> 55.1 / 48.0 ->
+    45.3; the smallest gains (32, 4, 151936) -1% / -1% and (16, 5, 151936) -10% / +2%. At V <= 65536, where the
+    fp32 statistics run their own plan, only K = 6-7 (positions 0-1 first): (32, 6, 65536) 49.0 -> 40.7 / 43.4 ->
+    36.8, (32, 7, 65536) 53.5 -> 45.3 / 43.7 -> 39.3, (40, 7, 65536) 66.1 -> 48.7 / 52.4 -> 46.9
+    (..._s18_small.csv); below about 80 MB it lost on the H200 ((40, 6, 32000) 67 MB 25.1 -> 30.2, (32, 6, 32000)
+    24.8 -> 26.5). There the H200 lost at K = 8 ((32, 8, 65536) 41.7 -> 46.0 with 0-2 first, (32, 8, 32000) 26.5 ->
+    30.4) and K = 5 ((48, 5, 65536) 40.5 -> 48.4). Not for 16-bit logits below 200 MB (H200 bf16 (32, 8, 151936)
+    58.2 -> 73.7 with 0-1 first, 75.9 with 0-2 first).
     """
     if _INTERPRET:
         return (2, 4) if num_positions >= 3 else ()  # CPU tests: every staged path runs
-    if num_positions < 7 or _logit_bytes(batch, num_positions, vocab, element_size) < STAGES_BYTES:
+    logit_bytes = _logit_bytes(batch, num_positions, vocab, element_size)
+    if element_size == 4 and batch < LIVE_SKIP_FP32_BATCH and logit_bytes >= STAGES_FP32_BYTES:
+        if vocab > FP32_SMALL_VOCAB and num_positions >= 5:
+            return (2,) if num_positions <= 8 else (3,)
+        if num_positions in (7, 8):  # V <= FP32_SMALL_VOCAB: K = 6-7 only
+            return (2,)
+    if num_positions < 7 or logit_bytes < STAGES_BYTES:
         return ()
     if element_size == 4 and num_positions == 7:
         return (2,)

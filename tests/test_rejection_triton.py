@@ -735,21 +735,33 @@ def test_live_skip_reads_nothing_past_a_certain_rejection_and_stays_exact(splits
 
 
 def test_auto_stages_rule(monkeypatch) -> None:
-    """The automatic staged plan, as on the GPU: positions 0-2 then 3-K from 200 MB of logits with K >= 6, except
-    fp32 logits with K = 6 (positions 0-1 then 2-6); one launch otherwise. Each negative case misses one condition."""
+    """The automatic staged plan, as on the GPU. fp32 logits with V > 65536, K >= 4 and B < 48 from 100 MB:
+    positions 0-1 first for K <= 7, 0-2 for K >= 8 (V <= 65536: K = 6-7 only, 0-1 first). Otherwise from 200 MB
+    with K >= 6: 0-2 first, except fp32 with K = 6 (0-1 first). One launch elsewhere. Each negative case misses one
+    condition."""
     import specdec.kernels.rejection_sampling as kernel
     from specdec.kernels.rejection_sampling import _auto_stages
 
     monkeypatch.setattr(kernel, "_INTERPRET", False)
     assert _auto_stages(9, 32, 151936, 4) == (3,)  # fp32 K = 8, 331 MB
     assert _auto_stages(9, 128, 151936, 2) == (3,)  # bf16 K = 8, 661 MB
-    assert _auto_stages(8, 32, 151936, 4) == (3,)  # fp32 K = 7
+    assert _auto_stages(8, 32, 151936, 4) == (2,)  # fp32 K = 7, 292 MB
     assert _auto_stages(7, 32, 128256, 4) == (2,)  # fp32 K = 6, 213 MB
     assert _auto_stages(7, 64, 151936, 2) == (3,)  # bf16 K = 6, 253 MB
-    assert _auto_stages(7, 32, 100000, 4) == ()  # fp32 K = 6, 166 MB
-    assert _auto_stages(7, 32, 120000, 4) == ()  # fp32 K = 6, 199.7 MB
+    assert _auto_stages(7, 32, 100000, 4) == (2,)  # fp32 K = 6, 166 MB
+    assert _auto_stages(5, 32, 128256, 4) == (2,)  # fp32 K = 4, 148 MB
+    assert _auto_stages(9, 16, 151936, 4) == (3,)  # fp32 K = 8, 165 MB
+    assert _auto_stages(9, 16, 90000, 4) == ()  # fp32 K = 8, 98 MB
+    assert _auto_stages(9, 32, 65536, 4) == ()  # fp32 K = 8, 143 MB, but V <= 65536
+    assert _auto_stages(8, 32, 65536, 4) == (2,)  # fp32 K = 7, V <= 65536, 126 MB
+    assert _auto_stages(7, 32, 65536, 4) == (2,)  # fp32 K = 6, V <= 65536, 109 MB
+    assert _auto_stages(7, 32, 48000, 4) == ()  # fp32 K = 6, V <= 65536, 80 MB
+    assert _auto_stages(6, 40, 65536, 4) == ()  # fp32 K = 5, V <= 65536, 115 MB
+    assert _auto_stages(5, 48, 128256, 4) == ()  # fp32 K = 4, 222 MB, but B = 48 (live skip's range)
+    assert _auto_stages(4, 32, 151936, 4) == ()  # fp32 K = 3, 136 MB
+    assert _auto_stages(9, 32, 151936, 2) == ()  # bf16 K = 8, 165 MB
     assert _auto_stages(9, 32, 32000, 4) == ()  # 70 MB
-    assert _auto_stages(6, 128, 151936, 4) == ()  # K = 5
+    assert _auto_stages(6, 128, 151936, 2) == ()  # bf16 K = 5, 428 MB
 
 
 def test_live_skip_rule(monkeypatch) -> None:
@@ -803,6 +815,34 @@ def test_live_skip_gpu_exact(stats_programs, dtype) -> None:
     target, draft, drafts, seeds, offsets, stops = _live_skip_case(batch, 8, 151936, dtype, seed=5)
     got = rejection_sample_triton(target, draft, drafts, seeds, offsets, 1.0, tune=tune)
     assert torch.equal(got[1], stops)
+
+
+@gpu_only
+@pytest.mark.parametrize("batch,num_drafts,vocab,plan", [
+    (32, 6, 128256, [(0, 2), (2, 5)]),  # fp32 K = 6 from 200 MB (213 MB)
+    (32, 4, 128256, [(0, 2), (2, 3)]),  # fp32, V > 65536, B < 48, from 100 MB (148 MB), K <= 7
+    (16, 8, 151936, [(0, 3), (3, 6)]),  # the same range with K >= 8 (165 MB)
+    (32, 7, 65536, [(0, 2), (2, 6)]),  # V <= 65536 (the small-vocabulary statistics plan), K = 7 (126 MB)
+])
+def test_auto_stage_plans_gpu_fp32(batch, num_drafts, vocab, plan) -> None:
+    """The plans the automatic rule picks for fp32 logits, on shapes it covers: sampled rows with ragged counts and
+    -1 drafts, and a batch with greedy rows, equal the reference, twice each."""
+    from specdec.kernels.rejection_sampling import _stage_plan
+
+    assert _stage_plan(num_drafts + 1, batch, False, None, vocab, 4) == plan
+    target, draft, drafts, seeds, offsets = make_case(batch, num_drafts, vocab, torch.float32, seed=61, noise=0.4)
+    drafts[0, num_drafts - 2:] = -1
+    counts = torch.full((batch,), num_drafts, dtype=torch.int64, device=DEVICE)
+    counts[-1] = 3
+    greedy_mask = torch.arange(batch, device=DEVICE) % 3 == 1
+    for temperature, mask in ((1.0, None), (0.8, greedy_mask)):
+        ref = rejection_sample_reference(target, draft, drafts, seeds, offsets, temperature, greedy_mask=mask,
+                                         num_draft_tokens=counts)
+        for _ in range(2):
+            got = rejection_sample_triton(target, draft, drafts, seeds, offsets, temperature, greedy_mask=mask,
+                                          num_draft_tokens=counts)
+            assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), temperature
+        assert 0 < int(ref[1].sum()) < batch * num_drafts  # both accepts and rejections occur
 
 
 @gpu_only
