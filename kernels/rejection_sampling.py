@@ -1058,17 +1058,17 @@ def _auto_stages(num_positions: int, batch: int, vocab: int, element_size: int) 
     and 89.3 -> 86.9, (40, 6, 100000) 71.0 -> 70.9; H200 (..._H200_s17_stages.csv): (32, 6, 128256) 67.0 -> 57.6.
 
     fp32 logits with V > FP32_SMALL_VOCAB, K >= 4 and B < LIVE_SKIP_FP32_BATCH from STAGES_FP32_BYTES (100 MB):
-    positions 0-1 first for K <= 7, 0-2 for K >= 8 (session 18; both cards, each plan twice, same process, every row
-    exact; results/rejection_sweep_{H100_80GB_HBM3,H200}_s18_rule*.csv). Against one launch, means, H100 / H200:
-    (32, 7, 100000) 78.5 -> 53.1 / 60.6 -> 44.5 us, (16, 8, 151936) 69.1 -> 53.1 / 53.2 -> 46.8, (32, 5, 128256)
-    74.1 -> 62.5 / 56.6 -> 51.2, (32, 8, 80000) 71.1 -> 56.0 / 53.3 -> 46.2, (32, 4, 128256) 62.2 -> 55.1 / 48.0 ->
-    45.3; the smallest gains (32, 4, 151936) -1% / -1% and (16, 5, 151936) -10% / +2%. At V <= 65536, where the
-    fp32 statistics run their own plan, only K = 6-7 (positions 0-1 first): (32, 6, 65536) 49.0 -> 40.7 / 43.4 ->
-    36.8, (32, 7, 65536) 53.5 -> 45.3 / 43.7 -> 39.3, (40, 7, 65536) 66.1 -> 48.7 / 52.4 -> 46.9
-    (..._s18_small.csv); below about 80 MB it lost on the H200 ((40, 6, 32000) 67 MB 25.1 -> 30.2, (32, 6, 32000)
-    24.8 -> 26.5). There the H200 lost at K = 8 ((32, 8, 65536) 41.7 -> 46.0 with 0-2 first, (32, 8, 32000) 26.5 ->
-    30.4) and K = 5 ((48, 5, 65536) 40.5 -> 48.4). Not for 16-bit logits below 200 MB (H200 bf16 (32, 8, 151936)
-    58.2 -> 73.7 with 0-1 first, 75.9 with 0-2 first).
+    positions 0-1 first for K <= 7, 0-2 for K >= 8 (session 18, benchmarks/NOTES_rejection.md "v24"). With the rule
+    against one launch, same process, each plan twice, means, H100 / H200, every row exact
+    (results/rejection_sweep_{H100_80GB_HBM3,H200}_s18_confirm.csv): (32, 7, 100000) 78.2 -> 52.8 / 61.6 -> 46.0 us,
+    (16, 8, 151936) 70.1 -> 54.0 / 53.1 -> 47.0, (32, 5, 128256) 74.4 -> 63.0 / 56.0 -> 50.2, (32, 8, 80000) 70.8 ->
+    55.7 / 53.7 -> 46.7, (32, 4, 128256) 63.5 -> 56.2 / 49.2 -> 46.2; 16 shapes of 107-292 MB, the smallest changes
+    (32, 4, 151936) -2% / +1% and (16, 5, 151936) -9% / -1%. At V <= 65536, where the fp32 statistics run their own
+    plan, only K = 6-7 (positions 0-1 first; ..._s18_small.csv, against one launch): (32, 6, 65536) 49.0 -> 40.7 /
+    43.4 -> 36.8, (40, 7, 65536) 66.1 -> 48.7 / 52.4 -> 46.9; below about 70 MB it lost ((40, 6, 32000) 67 MB,
+    H200 25.1 -> 30.1), and the H200 lost at K = 8 ((32, 8, 65536) 41.7 -> 45.9 with 0-2 first; ..._s18_rule.csv)
+    and K = 5 ((48, 5, 65536) 40.5 -> 48.4). Not for 16-bit logits below 200 MB (H200 bf16 (32, 8, 151936) 58.1 ->
+    73.7 with 0-1 first, 75.9 with 0-2 first; ..._s18_rule_bf16.csv).
     """
     if _INTERPRET:
         return (2, 4) if num_positions >= 3 else ()  # CPU tests: every staged path runs
