@@ -306,7 +306,12 @@ def run_sweep(shapes, dtype_name, out_path, l2_bytes, copy_gbps, env, max_second
                            match_ref=match, note=note, **env,
                            tune=str(dict(cfg, race_plan_resolved=_race_plan(esize, batch, cfg, None, False, vocab),
                                          l2_keep_resolved=_l2_keep(cfg["l2_keep"], esize, vocab, num_drafts,
-                                                                   batch))))
+                                                                   batch),
+                                         # the launches the automatic rules pick (session 18's rows lack them)
+                                         live_skip_resolved=_live_skip(cfg["live_skip"], False, False, batch,
+                                                                       num_drafts + 1, vocab, esize),
+                                         stage_plan_resolved=_stage_plan(num_drafts + 1, batch, False, cfg["stages"],
+                                                                         vocab, esize))))
                 writer.writerow(row)
                 handle.flush()
                 print(f"sweep {name:18s} {dtype_name} B={batch:3d} K={num_drafts} V={vocab:6d} {med:8.1f} us "
