@@ -106,12 +106,19 @@ def bytes_needed(num_accepted: torch.Tensor, num_drafts: int, vocab: int, esize:
     return float(rows.sum()) * vocab * esize
 
 
+def statistics_launches(cfg: dict, batch: int, num_drafts: int, vocab: int, esize: int) -> tuple[bool, list]:
+    """(live skip on, staged plan) that the "split" strategy picks with launch settings ``cfg`` for sampled rows
+    without scores (the automatic rules of ``_live_skip`` and ``_stage_plan``)."""
+    live = _live_skip(cfg["live_skip"], False, False, batch, num_drafts + 1, vocab, esize)
+    return live, _stage_plan(num_drafts + 1, batch, False, cfg["stages"], vocab, esize)
+
+
 def split_bytes(num_accepted, batch: int, num_drafts: int, vocab: int, esize: int, cfg: dict) -> tuple[float, str]:
     """Bytes the "split" strategy reads with launch settings ``cfg`` (sampled rows, T > 0) and the row's note: the
     staged count of ``bytes_read``, or with live skip the lower bound ``bytes_needed`` and ``LOWER_BOUND_NOTE``."""
-    if _live_skip(cfg["live_skip"], False, False, batch, num_drafts + 1, vocab, esize):
+    live, plan = statistics_launches(cfg, batch, num_drafts, vocab, esize)
+    if live:
         return bytes_needed(num_accepted, num_drafts, vocab, esize), LOWER_BOUND_NOTE
-    plan = _stage_plan(num_drafts + 1, batch, False, cfg["stages"], vocab, esize)
     return bytes_read("split", num_accepted, num_drafts, vocab, esize, plan), ""
 
 
@@ -188,9 +195,9 @@ SWEEP = {
     "stages_off": dict(stages=()),
     "stages_1": dict(stages=(1,)),
     "stages_2": dict(stages=(2,)),
-    "stages_1_3": dict(stages=(1, 3)),
-    "stages_4": dict(stages=(4,)),
     "stages_3": dict(stages=(3,)),
+    "stages_4": dict(stages=(4,)),
+    "stages_1_3": dict(stages=(1, 3)),
     "stages_2_5": dict(stages=(2, 5)),
     "stages_1_3_6": dict(stages=(1, 3, 6)),
     "stages_2_4_6": dict(stages=(2, 4, 6)),
@@ -295,6 +302,7 @@ def run_sweep(shapes, dtype_name, out_path, l2_bytes, copy_gbps, env, max_second
                     med = p20 = p80 = float("nan")
                     note = f"{type(exc).__name__}: {str(exc)[:200]}"
                 cfg = dict(TUNE_DEFAULT, **tune)
+                live, plan = statistics_launches(cfg, batch, num_drafts, vocab, esize)
                 if tune.get("stats_only"):
                     read = _logit_bytes(batch, num_drafts + 1, vocab, esize)
                 else:
@@ -308,10 +316,7 @@ def run_sweep(shapes, dtype_name, out_path, l2_bytes, copy_gbps, env, max_second
                                          l2_keep_resolved=_l2_keep(cfg["l2_keep"], esize, vocab, num_drafts,
                                                                    batch),
                                          # the launches the automatic rules pick (session 18's rows lack them)
-                                         live_skip_resolved=_live_skip(cfg["live_skip"], False, False, batch,
-                                                                       num_drafts + 1, vocab, esize),
-                                         stage_plan_resolved=_stage_plan(num_drafts + 1, batch, False, cfg["stages"],
-                                                                         vocab, esize))))
+                                         live_skip_resolved=live, stage_plan_resolved=plan)))
                 writer.writerow(row)
                 handle.flush()
                 print(f"sweep {name:18s} {dtype_name} B={batch:3d} K={num_drafts} V={vocab:6d} {med:8.1f} us "
