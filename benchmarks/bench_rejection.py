@@ -248,6 +248,9 @@ SWEEP = {
     "stats_w16": dict(stats_warps=16),
     "stats_w16_prog2": dict(stats_warps=16, stats_programs=2),
     "stats_w4": dict(stats_warps=4),
+    # session 19: the statistics exponent folded into one FMA (tune['fold_scale'])
+    "fold_off": dict(fold_scale=False),
+    "fold_on": dict(fold_scale=True),
 }
 # Earlier sweeps (results/rejection_sweep_H200_v5..v9*.csv) also timed other settings; every row records its tune.
 SWEEP_SMALL = ("default", "stats_pf", "stats_nopf", "race_t4w4", "stats_prog8", "pdl0", "stats:default")

@@ -36,18 +36,20 @@ INT_POINTERS = dict(draft_tokens_ptr="*i64", num_drafts_ptr="*i64", greedy_ptr="
 ROW_FLAGS = dict(HAS_COUNTS=False, HAS_MASK=False, ALL_GREEDY=False)
 GREEDY_FLAGS = dict(HAS_COUNTS=True, HAS_MASK=True, ALL_GREEDY=False)
 STATS = dict(COMPUTE_SCORES=False, KP2=8, BLOCK=4096, ZERO_COUNTERS=True, PDL_TRIGGER=False, PREFETCH=True,
-             STAGED=False, JP2=16, SP2=16, FTZ=True, KEEP_EVICT="", REST_EVICT="", LIVE_SKIP=False)
+             STAGED=False, JP2=16, SP2=16, FTZ=True, KEEP_EVICT="", REST_EVICT="", LIVE_SKIP=False, FOLD=False)
 RACE = dict(COMPUTE_SCORES=False, KP2=8, JP2=16, SP2=16, TILES=4, RACE_TILE=rs.RACE_TILE,
             TILE_BASE=rs.TILE_INDEX_BASE, SINGLE=False, FUSE=True, SP2B=16, MASS_EPS=rs.RESIDUAL_MASS_EPS,
             PDL_WAIT=False, FTZ=True, RACE_EVICT="", FAST_LOG=True)
 
 # (name, kernel, constexprs, num_warps, logit pointer type)
 VARIANTS = [
-    ("stats default bf16", rs._stats_kernel, dict(STATS, **ROW_FLAGS, PDL_TRIGGER=True), 8, "*bf16"),
+    ("stats default bf16", rs._stats_kernel, dict(STATS, **ROW_FLAGS, PDL_TRIGGER=True, FOLD=True), 8, "*bf16"),
+    ("stats unfolded bf16", rs._stats_kernel, dict(STATS, **ROW_FLAGS), 8, "*bf16"),
     ("stats staged greedy fp32", rs._stats_kernel,
      dict(STATS, **GREEDY_FLAGS, BLOCK=1024, PREFETCH=False, STAGED=True, FTZ=False), 4, "*fp32"),
     ("stats live skip l2 hints fp32", rs._stats_kernel,
-     dict(STATS, **ROW_FLAGS, BLOCK=2048, LIVE_SKIP=True, KEEP_EVICT="evict_last", REST_EVICT="evict_first"), 4,
+     dict(STATS, **ROW_FLAGS, BLOCK=2048, LIVE_SKIP=True, KEEP_EVICT="evict_last", REST_EVICT="evict_first",
+          FOLD=True), 4,
      "*fp32"),
     ("stats live skip no prefetch bf16", rs._stats_kernel, dict(STATS, **ROW_FLAGS, LIVE_SKIP=True, PREFETCH=False),
      16, "*bf16"),

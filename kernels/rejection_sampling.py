@@ -65,7 +65,8 @@ Two launch strategies compute the same function:
   whatever runs next on the GPU starts with them in L2 (measured only against the next call of this kernel).
   On the GPU the per-element exponentials of both kernels are one ``ex2.approx.ftz`` each (``tune={"ftz": False}``
   restores ``tl.exp``): values below 2**-126 flush to 0, which moves no sum or race score by more than ~1e-38
-  relative; the race kernel's logarithms (race scores and the noise ``log(-log u)``, not the accept test's
+  relative (16-bit logits at B <= 8 fold the logit scale into that exponent's FMA: ``tune['fold_scale']``); the
+  race kernel's logarithms (race scores and the noise ``log(-log u)``, not the accept test's
   ``log u``) are one ``lg2.approx.f32`` each (``tune={"fast_log": False}`` restores ``tl.log``): absolute error
   at most 2.3e-6 (libdevice: 1.0e-6; H100, every 7th fp32 in [2**-24, 16),
   ``benchmarks/results/fastlog_check_s11_H100.txt``), about one fp32 ulp of the largest noise terms, so only a
@@ -318,10 +319,13 @@ def _certainly_rejected(target_ptr, draft_ptr, draft_tokens_ptr, seeds_ptr, offs
 
 @triton.jit
 def _stats_loads(t_base, d_base, t_nx, d_nx, offs, lim, V, v_d, scale, BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
-                 EVICT: tl.constexpr):
-    """The statistics loops' tile at ``offs`` as scaled fp32 (target, draft) and, with PREFETCH, the next tile's
-    loads issued (``t_nx`` / ``d_nx`` hold this tile, loaded by the previous call; ids from ``lim`` on load as
-    ``-inf``, so ``lim = 0`` loads nothing). Returns (t, d, t_nx, d_nx)."""
+                 EVICT: tl.constexpr, FOLD: tl.constexpr = False):
+    """The statistics loops' tile at ``offs`` as scaled fp32 (target, draft; FOLD: unscaled, the caller folds the
+    scale into its exponent) and, with PREFETCH, the next tile's loads issued (``t_nx`` / ``d_nx`` hold this tile,
+    loaded by the previous call; ids from ``lim`` on load as ``-inf``, so ``lim = 0`` loads nothing). Returns
+    (t, d, t_nx, d_nx)."""
+    if FOLD:
+        scale = 1.0
     if PREFETCH:
         t = t_nx.to(tl.float32) * scale
         d = d_nx.to(tl.float32) * scale
@@ -335,15 +339,37 @@ def _stats_loads(t_base, d_base, t_nx, d_nx, offs, lim, V, v_d, scale, BLOCK: tl
 
 
 @triton.jit
-def _stats_tile(t, d, offs, m_t, s_t, m_d, s_d, am_v, am_i, g, V, FTZ: tl.constexpr):
+def _exp2_ftz(x):
+    """``2**x`` as one ``ex2.approx.ftz.f32`` (results below 2**-126 flush to 0)."""
+    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _stats_tile(t, d, offs, m_t, s_t, m_d, s_d, am_v, am_i, g, V, FTZ: tl.constexpr, scale=1.0,
+                FOLD: tl.constexpr = False):
     """One [R, 8] tile of the statistics loops: lane-wise online (max, sum exp) of target and draft and, for greedy
-    rows, the running arg-max (lowest id of the largest target logit)."""
-    new_t = tl.maximum(m_t, tl.max(t, axis=1))
-    safe_t = tl.where(new_t == float("-inf"), 0.0, new_t)
-    s_t = s_t * _exp(m_t - safe_t, FTZ) + tl.sum(_exp(t - safe_t[:, None], FTZ), axis=1)
-    new_d = tl.maximum(m_d, tl.max(d, axis=1))
-    safe_d = tl.where(new_d == float("-inf"), 0.0, new_d)
-    s_d = s_d * _exp(m_d - safe_d, FTZ) + tl.sum(_exp(d - safe_d[:, None], FTZ), axis=1)
+    rows, the running arg-max (lowest id of the largest target logit). FOLD (GPU): ``t``, ``d`` are unscaled and each
+    element's exponent is one ``tl.fma``, ``exp(s t - m) = 2**(t (s log2 e) - m log2 e)``, instead of a scale
+    multiply, a subtract and the exponential's own multiply (the maxima are scaled once per lane: ``max(s t) =
+    s max(t)`` for ``s > 0``, as rounding is monotone; greedy rows have ``s = 1``). The sums round differently from
+    the unfolded ones (a few ulp per term), so, as with any launch plan, only a near-tie decision could move."""
+    if FOLD:
+        LOG2E: tl.constexpr = 1.4426950408889634
+        c = scale * LOG2E
+        new_t = tl.maximum(m_t, tl.max(t, axis=1) * scale)
+        safe_t = tl.where(new_t == float("-inf"), 0.0, new_t)
+        s_t = s_t * _exp(m_t - safe_t, FTZ) + tl.sum(_exp2_ftz(tl.fma(t, c, -(safe_t * LOG2E)[:, None])), axis=1)
+        new_d = tl.maximum(m_d, tl.max(d, axis=1) * scale)
+        safe_d = tl.where(new_d == float("-inf"), 0.0, new_d)
+        s_d = s_d * _exp(m_d - safe_d, FTZ) + tl.sum(_exp2_ftz(tl.fma(d, c, -(safe_d * LOG2E)[:, None])), axis=1)
+    else:
+        new_t = tl.maximum(m_t, tl.max(t, axis=1))
+        safe_t = tl.where(new_t == float("-inf"), 0.0, new_t)
+        s_t = s_t * _exp(m_t - safe_t, FTZ) + tl.sum(_exp(t - safe_t[:, None], FTZ), axis=1)
+        new_d = tl.maximum(m_d, tl.max(d, axis=1))
+        safe_d = tl.where(new_d == float("-inf"), 0.0, new_d)
+        s_d = s_d * _exp(m_d - safe_d, FTZ) + tl.sum(_exp(d - safe_d[:, None], FTZ), axis=1)
     if g != 0:
         tile_max = tl.max(tl.max(t, axis=1), axis=0)
         tile_idx = tl.min(tl.min(tl.where(t == tile_max, offs, V), axis=1), axis=0)
@@ -355,7 +381,8 @@ def _stats_tile(t, d, offs, m_t, s_t, m_d, s_d, am_v, am_i, g, V, FTZ: tl.conste
 
 @triton.jit
 def _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2, reject_ptr, j, K, BLOCK: tl.constexpr,
-                PREFETCH: tl.constexpr, FTZ: tl.constexpr, EVICT: tl.constexpr, LIVE: tl.constexpr):
+                PREFETCH: tl.constexpr, FTZ: tl.constexpr, EVICT: tl.constexpr, LIVE: tl.constexpr,
+                FOLD: tl.constexpr = False):
     """The statistics kernel's loop over ``[lo, hi)``: lane-wise online log-sum-exp on ``[BLOCK // 8, 8]`` tiles (the
     axis-1 reductions stay inside a thread or a warp, so a tile needs no block-wide barrier; one exp per element plus
     one per 8 elements for the rescale) and, for greedy rows, the arg-max. PREFETCH: ``t_nx`` / ``d_nx`` hold the
@@ -380,9 +407,10 @@ def _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2, rej
             offs = start + rows2
             lim = tl.where((start + BLOCK < hi) & (K + 1 - word >= j), V, 0)
             t, d, t_nx, d_nx = _stats_loads(t_base, d_base, t_nx, d_nx, offs, lim, V, v_d, scale, BLOCK, PREFETCH,
-                                            EVICT)
+                                            EVICT, FOLD)
             next_word = tl.load(reject_ptr, volatile=True)
-            m_t, s_t, m_d, s_d, am_v, am_i = _stats_tile(t, d, offs, m_t, s_t, m_d, s_d, am_v, am_i, g, V, FTZ)
+            m_t, s_t, m_d, s_d, am_v, am_i = _stats_tile(t, d, offs, m_t, s_t, m_d, s_d, am_v, am_i, g, V, FTZ,
+                                                         scale, FOLD)
             start += BLOCK
             hi = tl.where(K + 1 - word < j, start, hi)
             word = next_word
@@ -390,8 +418,9 @@ def _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2, rej
         for start in range(lo, hi, BLOCK):
             offs = start + rows2
             t, d, t_nx, d_nx = _stats_loads(t_base, d_base, t_nx, d_nx, offs, tl.where(start + BLOCK < hi, V, 0), V,
-                                            v_d, scale, BLOCK, PREFETCH, EVICT)
-            m_t, s_t, m_d, s_d, am_v, am_i = _stats_tile(t, d, offs, m_t, s_t, m_d, s_d, am_v, am_i, g, V, FTZ)
+                                            v_d, scale, BLOCK, PREFETCH, EVICT, FOLD)
+            m_t, s_t, m_d, s_d, am_v, am_i = _stats_tile(t, d, offs, m_t, s_t, m_d, s_d, am_v, am_i, g, V, FTZ,
+                                                         scale, FOLD)
     return m_t, s_t, m_d, s_d, am_i
 
 
@@ -403,7 +432,7 @@ def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greed
                   ZERO_COUNTERS: tl.constexpr, PDL_TRIGGER: tl.constexpr, PREFETCH: tl.constexpr,
                   STAGED: tl.constexpr, JP2: tl.constexpr, SP2: tl.constexpr, FTZ: tl.constexpr,
                   keep_positions=0, KEEP_EVICT: tl.constexpr = "", REST_EVICT: tl.constexpr = "",
-                  pair_counter_ptr=None, batch=0, LIVE_SKIP: tl.constexpr = False):
+                  pair_counter_ptr=None, batch=0, LIVE_SKIP: tl.constexpr = False, FOLD: tl.constexpr = False):
     """Partial (max, sum exp) of target and draft over one vocabulary chunk of one (row, position).
 
     Grid ``(B * pos_count, S)``: positions ``pos_lo .. pos_lo + pos_count - 1`` of every row. STAGED (a launch
@@ -482,13 +511,13 @@ def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greed
     reject_ptr = pair_counter_ptr + batch * (K + 1) + b  # (LIVE_SKIP) the row's rejection word
     if KEEP_EVICT == REST_EVICT:
         m_t, s_t, m_d, s_d, am_i = _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2, reject_ptr,
-                                               j, K, BLOCK, PREFETCH, FTZ, KEEP_EVICT, LIVE_SKIP)
+                                               j, K, BLOCK, PREFETCH, FTZ, KEEP_EVICT, LIVE_SKIP, FOLD)
     elif keep:
         m_t, s_t, m_d, s_d, am_i = _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2, reject_ptr,
-                                               j, K, BLOCK, PREFETCH, FTZ, KEEP_EVICT, LIVE_SKIP)
+                                               j, K, BLOCK, PREFETCH, FTZ, KEEP_EVICT, LIVE_SKIP, FOLD)
     else:
         m_t, s_t, m_d, s_d, am_i = _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2, reject_ptr,
-                                               j, K, BLOCK, PREFETCH, FTZ, REST_EVICT, LIVE_SKIP)
+                                               j, K, BLOCK, PREFETCH, FTZ, REST_EVICT, LIVE_SKIP, FOLD)
     mt_all = tl.max(m_t, axis=0)
     safe = tl.where(mt_all == float("-inf"), 0.0, mt_all)
     st_all = tl.sum(s_t * tl.exp(m_t - safe), axis=0)
@@ -936,9 +965,13 @@ SEQ_MIN_BATCH = 1 << 62
 #                   30.2 -> 27.3 us, (64, 4, 32000) 35.1 -> 32.8; bf16 (128, 1, 151936) 75.9 -> 67.5, (1, 1, 128256)
 #                   8.9 -> 7.8, (128, 8, 151936) 186.1 -> 178.9; faster at all 23 shapes timed, by 1.5% (fp32
 #                   (128, 8, 32000)) to 12% (bf16 (1, 1, 128256))
+#   fold_scale      (with ftz) the statistics loop's exponent per element as one FMA on unscaled logits,
+#                   ``2**(t (s log2 e) - m log2 e)``, instead of a scale multiply, a subtract and a multiply (see
+#                   _stats_tile); None: 16-bit logits with B <= FOLD_MAX_BATCH on the GPU (see _fold_scale)
 TUNE_DEFAULT = dict(fuse=True, race_tiles=None, race_warps=None, race_programs=None, stats_programs=None,
                     stats_block=None, stats_warps=None, stats_prefetch=None, tight_sp2=True, pdl=None, stats_only=False,
-                    stages=None, skip_bonus=None, ftz=None, l2_keep=None, fast_log=None, live_skip=None)
+                    stages=None, skip_bonus=None, ftz=None, l2_keep=None, fast_log=None, live_skip=None,
+                    fold_scale=None)
 # automatic choices (None above), each measured on an H200 unless said otherwise (benchmarks/NOTES_rejection.md):
 #   stats_prefetch None: on for B >= 16 with the 4096 tile (B (K+1) tiles >= 4 per SM), with 16 warps when the stats
 #                   grid has one program per (row, position) (B (K+1) >= stats_programs * SMs; (128, 8): stats
@@ -1149,6 +1182,29 @@ def _fast_math(key: str, setting: bool | None) -> bool:
     return setting is not False and not _INTERPRET
 
 
+def _fold_scale(setting: bool | None, element_size: int, batch: int) -> bool:
+    """Whether the statistics loop folds the logit scale into its exponent's FMA (``tune['fold_scale']``, see
+    :func:`_stats_tile`; only with ``ftz``). None (automatic): on the GPU for 16-bit logits with B <= 8
+    (FOLD_MAX_BATCH; the measurements are there)."""
+    if setting is not None and not isinstance(setting, bool):
+        raise ValueError(f"tune['fold_scale'] must be None, True or False, got {setting!r}")
+    if setting is None:
+        return not _INTERPRET and element_size == 2 and batch <= FOLD_MAX_BATCH
+    return setting and not _INTERPRET
+
+
+# Measured in one process, each setting twice, interleaved, every row exact, bf16, folded against not, with this code
+# (results/rejection_sweep_{H100_80GB_HBM3,H200}_s19_fma.csv): at B <= 8 faster at all 11 shapes on both cards, by
+# 0.2-13%, e.g. (1, 8, 128256) 12.8 -> 11.3 us (H100) and 12.3 -> 10.8 (H200), (1, 4, 151936) 10.8 -> 10.1 /
+# 10.3 -> 9.7, (2, 4, 151936) 12.9 -> 11.8 / 12.3 -> 11.2, (8, 8, 151936) 26.7 -> 26.0 / 23.0 -> 22.2; at B >= 16
+# slower: (16, 8, 32000) 17.5 -> 18.6 / 15.7 -> 16.9, (32, 4, 128256) 40.1 -> 44.0 / 34.2 -> 37.4. A first version
+# (multiply and subtract instead of tl.fma; ..._s19_fold{,_b,_b1}.csv) measured the same pattern, and no consistent
+# gain for fp32 logits (H100: (4, 8, 128256) -6%, (8, 8, 151936) +3%). Offline SASS (Triton 3.6, sm_90) of the
+# B <= 8 statistics plan changes little (32 more FFMA, 15 fewer FMUL in the kernel); why the folded kernel is faster at
+# small batches and slower at large ones was not isolated.
+FOLD_MAX_BATCH = 8
+
+
 def _race_plan(element_size: int, batch: int, cfg: dict, num_warps: int | None, interpret: bool,
                vocab: int = 1 << 20) -> tuple[int, int, int]:
     """``(race_tiles, race_warps, race_programs)`` of the race kernel from the tune settings (None = automatic)."""
@@ -1304,6 +1360,7 @@ def rejection_sample_triton(
     else:
         pdl = int(cfg["pdl"])
     ftz = _fast_math("ftz", cfg["ftz"])
+    fold = _fold_scale(cfg["fold_scale"], target.element_size(), batch) and ftz
     fast_log = _fast_math("fast_log", cfg["fast_log"])
     l2_keep = _l2_keep(cfg["l2_keep"], target.element_size(), vocab, num_drafts, batch)
     keep_evict, rest_evict = ("evict_last", "evict_first") if l2_keep else ("", "")
@@ -1334,7 +1391,7 @@ def rejection_sample_triton(
             ZERO_COUNTERS=fuse and index == 0, PDL_TRIGGER=pdl >= 2 and last, PREFETCH=bool(prefetch),
             STAGED=index > 0, JP2=jp2, SP2=_sp2(splits, cfg["tight_sp2"]), FTZ=ftz, num_warps=warps,
             keep_positions=l2_keep, KEEP_EVICT=keep_evict, REST_EVICT=rest_evict, pair_counter_ptr=pair_counter,
-            batch=batch, LIVE_SKIP=live_skip, **flags,
+            batch=batch, LIVE_SKIP=live_skip, FOLD=fold, **flags,
         )
     if cfg["stats_only"]:
         return tokens, num_accepted, None, None

@@ -240,7 +240,19 @@ def test_l2_keep_rule_keeps_position_0_for_fp32_batches_of_32_or_more_with_small
         _l2_keep(-1, 4, 32000, 4, 32)
 
 
-@pytest.mark.parametrize("key", ["ftz", "fast_log"])
+def test_fold_scale_rule_folds_the_scale_for_16_bit_logits_at_batches_up_to_8(monkeypatch):
+    import specdec.kernels.rejection_sampling as kernel
+
+    monkeypatch.setattr(kernel, "_INTERPRET", True)
+    assert not kernel._fold_scale(None, 2, 1) and not kernel._fold_scale(True, 2, 1)  # never in the interpreter
+    monkeypatch.setattr(kernel, "_INTERPRET", False)
+    assert kernel._fold_scale(None, 2, 1) and kernel._fold_scale(None, 2, 8)
+    assert not kernel._fold_scale(None, 2, 9)  # B > 8
+    assert not kernel._fold_scale(None, 4, 1)  # fp32
+    assert kernel._fold_scale(True, 4, 128) and not kernel._fold_scale(False, 2, 1)  # explicit settings win
+
+
+@pytest.mark.parametrize("key", ["ftz", "fast_log", "fold_scale"])
 def test_fast_math_settings_must_be_none_or_bool(key):
     case = make_case(1, 1, 100, seed=1)
     with pytest.raises(ValueError, match=key):
@@ -528,7 +540,8 @@ GPU_LAUNCH_PLANS = dict(default={}, no_fuse=LAUNCH_PLANS["no_fuse"],
                         race_tiles4=dict(race_tiles=4, race_warps=4), race_programs8=dict(race_programs=8),
                         no_stats_prefetch=dict(stats_prefetch=False),
                         one_warp_race=LAUNCH_PLANS["one_warp_race"], pdl1=dict(pdl=1), pdl2=dict(pdl=2),
-                        no_ftz=dict(ftz=False), l2_keep=dict(l2_keep=2), no_fast_log=dict(fast_log=False))
+                        no_ftz=dict(ftz=False), l2_keep=dict(l2_keep=2), no_fast_log=dict(fast_log=False),
+                        fold_on=dict(fold_scale=True), fold_off=dict(fold_scale=False))
 
 
 @gpu_only
