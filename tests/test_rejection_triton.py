@@ -78,6 +78,21 @@ def test_exact_small(batch, num_drafts, dtype, temperature):
     assert int(ref[1].min()) >= 0
 
 
+def test_exact_fp16_logits():
+    case = make_case(7, 4, 100, torch.float16, seed=74)
+    assert_matches_reference(*case, 0.8, greedy_mask=torch.arange(7, device=DEVICE) % 3 == 1)
+
+
+@gpu_only
+@pytest.mark.parametrize("batch", [1, 7, 64])
+@pytest.mark.parametrize("vocab", [32000, 151936])
+def test_exact_fp16_logits_gpu(batch, vocab):
+    # fp16 takes the 16-bit launch plans (at B <= 8 the folded statistics exponent)
+    case = make_case(batch, 4, vocab, torch.float16, seed=batch + vocab)
+    assert_matches_reference(*case, 1.0)
+    assert_matches_reference(*case, 0.7, greedy_mask=torch.arange(batch, device=DEVICE) % 3 == 1)
+
+
 def test_exact_multi_tile_and_multi_split_with_ragged_last_tile():
     # V = 100 with 32-wide tiles: 4 tiles, the last one 4 lanes wide; 2 vocabulary chunks per row.
     case = make_case(7, 4, 100, torch.bfloat16, seed=3)
