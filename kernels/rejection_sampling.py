@@ -65,7 +65,7 @@ Two launch strategies compute the same function:
   whatever runs next on the GPU starts with them in L2 (measured only against the next call of this kernel).
   On the GPU the per-element exponentials of both kernels are one ``ex2.approx.ftz`` each (``tune={"ftz": False}``
   restores ``tl.exp``): values below 2**-126 flush to 0, which moves no sum or race score by more than ~1e-38
-  relative (16-bit logits at B <= 8 fold the logit scale into that exponent's FMA: ``tune['fold_scale']``); the
+  relative (16-bit logits at B <= 4 fold the logit scale into that exponent's multiply: ``tune['fold_scale']``); the
   race kernel's logarithms (race scores and the noise ``log(-log u)``, not the accept test's
   ``log u``) are one ``lg2.approx.f32`` each (``tune={"fast_log": False}`` restores ``tl.log``): absolute error
   at most 2.3e-6 (libdevice: 1.0e-6; H100, every 7th fp32 in [2**-24, 16),
@@ -349,20 +349,21 @@ def _exp2_ftz(x):
 def _stats_tile(t, d, offs, m_t, s_t, m_d, s_d, am_v, am_i, g, V, FTZ: tl.constexpr, scale=1.0,
                 FOLD: tl.constexpr = False):
     """One [R, 8] tile of the statistics loops: lane-wise online (max, sum exp) of target and draft and, for greedy
-    rows, the running arg-max (lowest id of the largest target logit). FOLD (GPU): ``t``, ``d`` are unscaled and each
-    element's exponent is one ``tl.fma``, ``exp(s t - m) = 2**(t (s log2 e) - m log2 e)``, instead of a scale
-    multiply, a subtract and the exponential's own multiply (the maxima are scaled once per lane: ``max(s t) =
-    s max(t)`` for ``s > 0``, as rounding is monotone; greedy rows have ``s = 1``). The sums round differently from
-    the unfolded ones (a few ulp per term), so, as with any launch plan, only a near-tie decision could move."""
+    rows, the running arg-max (lowest id of the largest target logit). FOLD (GPU): ``t``, ``d`` are the unscaled
+    logits and the running maxima ``m_t``, ``m_d`` unscaled too (:func:`_stats_loop` scales them once at the end);
+    each element's exponent is ``(t - m) (s log2 e)`` instead of ``(s t - s m) log2 e``: the scale multiply per
+    element goes into the exponential's own. ``t - m`` is exact for 16-bit logits, so a lane's maximum still
+    contributes exactly 1 (what keeps low-temperature calls exact: a fused ``t (s log2 e) - m s log2 e`` was off by
+    up to ~|s t| 2**-24 there, and moved decisions at T = 1e-5); greedy rows have ``s = 1``."""
     if FOLD:
         LOG2E: tl.constexpr = 1.4426950408889634
         c = scale * LOG2E
-        new_t = tl.maximum(m_t, tl.max(t, axis=1) * scale)
+        new_t = tl.maximum(m_t, tl.max(t, axis=1))
         safe_t = tl.where(new_t == float("-inf"), 0.0, new_t)
-        s_t = s_t * _exp(m_t - safe_t, FTZ) + tl.sum(_exp2_ftz(tl.fma(t, c, -(safe_t * LOG2E)[:, None])), axis=1)
-        new_d = tl.maximum(m_d, tl.max(d, axis=1) * scale)
+        s_t = s_t * _exp2_ftz((m_t - safe_t) * c) + tl.sum(_exp2_ftz((t - safe_t[:, None]) * c), axis=1)
+        new_d = tl.maximum(m_d, tl.max(d, axis=1))
         safe_d = tl.where(new_d == float("-inf"), 0.0, new_d)
-        s_d = s_d * _exp(m_d - safe_d, FTZ) + tl.sum(_exp2_ftz(tl.fma(d, c, -(safe_d * LOG2E)[:, None])), axis=1)
+        s_d = s_d * _exp2_ftz((m_d - safe_d) * c) + tl.sum(_exp2_ftz((d - safe_d[:, None]) * c), axis=1)
     else:
         new_t = tl.maximum(m_t, tl.max(t, axis=1))
         safe_t = tl.where(new_t == float("-inf"), 0.0, new_t)
@@ -421,6 +422,9 @@ def _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2, rej
                                             v_d, scale, BLOCK, PREFETCH, EVICT, FOLD)
             m_t, s_t, m_d, s_d, am_v, am_i = _stats_tile(t, d, offs, m_t, s_t, m_d, s_d, am_v, am_i, g, V, FTZ,
                                                          scale, FOLD)
+    if FOLD:  # the running maxima were unscaled (see _stats_tile)
+        m_t = m_t * scale
+        m_d = m_d * scale
     return m_t, s_t, m_d, s_d, am_i
 
 
@@ -965,9 +969,9 @@ SEQ_MIN_BATCH = 1 << 62
 #                   30.2 -> 27.3 us, (64, 4, 32000) 35.1 -> 32.8; bf16 (128, 1, 151936) 75.9 -> 67.5, (1, 1, 128256)
 #                   8.9 -> 7.8, (128, 8, 151936) 186.1 -> 178.9; faster at all 23 shapes timed, by 1.5% (fp32
 #                   (128, 8, 32000)) to 12% (bf16 (1, 1, 128256))
-#   fold_scale      (with ftz) the statistics loop's exponent per element as one FMA on unscaled logits,
-#                   ``2**(t (s log2 e) - m log2 e)``, instead of a scale multiply, a subtract and a multiply (see
-#                   _stats_tile); None: 16-bit logits with B <= FOLD_MAX_BATCH on the GPU (see _fold_scale)
+#   fold_scale      (with ftz) the statistics loop on unscaled logits, each element's exponent ``(t - m) (s log2 e)``
+#                   (the scale multiply per element folded into the exponential's; see _stats_tile); None: 16-bit
+#                   logits with B <= FOLD_MAX_BATCH on the GPU (see _fold_scale)
 TUNE_DEFAULT = dict(fuse=True, race_tiles=None, race_warps=None, race_programs=None, stats_programs=None,
                     stats_block=None, stats_warps=None, stats_prefetch=None, tight_sp2=True, pdl=None, stats_only=False,
                     stages=None, skip_bonus=None, ftz=None, l2_keep=None, fast_log=None, live_skip=None,
@@ -1183,8 +1187,8 @@ def _fast_math(key: str, setting: bool | None) -> bool:
 
 
 def _fold_scale(setting: bool | None, element_size: int, batch: int) -> bool:
-    """Whether the statistics loop folds the logit scale into its exponent's FMA (``tune['fold_scale']``, see
-    :func:`_stats_tile`; only with ``ftz``). None (automatic): on the GPU for 16-bit logits with B <= 8
+    """Whether the statistics loop folds the logit scale into its exponent (``tune['fold_scale']``, see
+    :func:`_stats_tile`; only with ``ftz``). None (automatic): on the GPU for 16-bit logits with B <= 4
     (FOLD_MAX_BATCH; the measurements are there)."""
     if setting is not None and not isinstance(setting, bool):
         raise ValueError(f"tune['fold_scale'] must be None, True or False, got {setting!r}")
@@ -1194,15 +1198,15 @@ def _fold_scale(setting: bool | None, element_size: int, batch: int) -> bool:
 
 
 # Measured in one process, each setting twice, interleaved, every row exact, bf16, folded against not, with this code
-# (results/rejection_sweep_{H100_80GB_HBM3,H200}_s19_fma.csv): at B <= 8 faster at all 11 shapes on both cards, by
-# 0.2-13%, e.g. (1, 8, 128256) 12.8 -> 11.3 us (H100) and 12.3 -> 10.8 (H200), (1, 4, 151936) 10.8 -> 10.1 /
-# 10.3 -> 9.7, (2, 4, 151936) 12.9 -> 11.8 / 12.3 -> 11.2, (8, 8, 151936) 26.7 -> 26.0 / 23.0 -> 22.2; at B >= 16
-# slower: (16, 8, 32000) 17.5 -> 18.6 / 15.7 -> 16.9, (32, 4, 128256) 40.1 -> 44.0 / 34.2 -> 37.4. A first version
-# (multiply and subtract instead of tl.fma; ..._s19_fold{,_b,_b1}.csv) measured the same pattern, and no consistent
-# gain for fp32 logits (H100: (4, 8, 128256) -6%, (8, 8, 151936) +3%). Offline SASS (Triton 3.6, sm_90) of the
-# B <= 8 statistics plan changes little (32 more FFMA, 15 fewer FMUL in the kernel); why the folded kernel is faster at
-# small batches and slower at large ones was not isolated.
-FOLD_MAX_BATCH = 8
+# (results/rejection_sweep_{H100_80GB_HBM3,H200}_s19_fold3.csv; means, us, H100 / H200): faster at every B <= 4 shape
+# on the H100 and at all but one on the H200, e.g. (1, 8, 128256) 12.7 -> 11.3 / 12.7 -> 11.1, (1, 4, 151936)
+# 10.7 -> 10.0 / 10.5 -> 9.9, (2, 4, 151936) 12.8 -> 11.7 / 12.6 -> 11.6, (4, 4, 32000) 9.6 -> 9.1 / 9.6 -> 9.1; the
+# exception (4, 8, 128256) 17.3 -> 17.4 on the H200 (18.5 -> 18.3 on the H100). At B = 8 within -1% / +2% ((8, 8,
+# 151936) 26.7 -> 26.4 / 23.4 -> 23.7), at B = 16 slower ((16, 8, 32000) 17.3 -> 18.6 / 15.9 -> 17.4). Two earlier
+# versions of the fold (an FMA ``t (s log2 e) - m s log2 e``; ..._s19_fold{,_b,_b1}.csv, ..._s19_fma.csv) measured
+# the same pattern, but were not exact at T = 1e-5 (see _stats_tile); fp32 logits gained nothing consistent with them
+# (H100: (4, 8, 128256) -6%, (8, 8, 151936) +3%) and are not folded.
+FOLD_MAX_BATCH = 4
 
 
 def _race_plan(element_size: int, batch: int, cfg: dict, num_warps: int | None, interpret: bool,

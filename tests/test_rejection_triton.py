@@ -87,10 +87,22 @@ def test_exact_fp16_logits():
 @pytest.mark.parametrize("batch", [1, 7, 64])
 @pytest.mark.parametrize("vocab", [32000, 151936])
 def test_exact_fp16_logits_gpu(batch, vocab):
-    # fp16 takes the 16-bit launch plans (at B <= 8 the folded statistics exponent)
+    # fp16 takes the 16-bit launch plans (at B <= 4 the folded statistics exponent)
     case = make_case(batch, 4, vocab, torch.float16, seed=batch + vocab)
     assert_matches_reference(*case, 1.0)
     assert_matches_reference(*case, 0.7, greedy_mask=torch.arange(batch, device=DEVICE) % 3 == 1)
+
+
+@gpu_only
+@pytest.mark.parametrize("temperature", [1e-2, 1e-4, 1e-5])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_low_temperatures_are_exact_with_and_without_the_folded_exponent_gpu(temperature, dtype):
+    # logits / T up to ~1e6: the statistics stay equal to the reference's only while each lane's maximum contributes
+    # exactly 1 (a fused t (s log2 e) - m s log2 e exponent moved decisions at T = 1e-5)
+    for batch, num_drafts, vocab in ((8, 8, 32000), (1, 4, 151936), (4, 8, 128256)):
+        case = make_case(batch, num_drafts, vocab, dtype, seed=batch + vocab, temperature=temperature)
+        for fold in (True, False):
+            assert_matches_reference(*case, temperature, strategies=("split",), tune=dict(fold_scale=fold))
 
 
 def test_exact_multi_tile_and_multi_split_with_ragged_last_tile():
@@ -255,14 +267,14 @@ def test_l2_keep_rule_keeps_position_0_for_fp32_batches_of_32_or_more_with_small
         _l2_keep(-1, 4, 32000, 4, 32)
 
 
-def test_fold_scale_rule_folds_the_scale_for_16_bit_logits_at_batches_up_to_8(monkeypatch):
+def test_fold_scale_rule_folds_the_scale_for_16_bit_logits_at_batches_up_to_4(monkeypatch):
     import specdec.kernels.rejection_sampling as kernel
 
     monkeypatch.setattr(kernel, "_INTERPRET", True)
     assert not kernel._fold_scale(None, 2, 1) and not kernel._fold_scale(True, 2, 1)  # never in the interpreter
     monkeypatch.setattr(kernel, "_INTERPRET", False)
-    assert kernel._fold_scale(None, 2, 1) and kernel._fold_scale(None, 2, 8)
-    assert not kernel._fold_scale(None, 2, 9)  # B > 8
+    assert kernel._fold_scale(None, 2, 1) and kernel._fold_scale(None, 2, 4)
+    assert not kernel._fold_scale(None, 2, 5)  # B > 4
     assert not kernel._fold_scale(None, 4, 1)  # fp32
     assert kernel._fold_scale(True, 4, 128) and not kernel._fold_scale(False, 2, 1)  # explicit settings win
 
