@@ -43,8 +43,10 @@ RACE = dict(COMPUTE_SCORES=False, KP2=8, JP2=16, SP2=16, TILES=4, RACE_TILE=rs.R
 
 # (name, kernel, constexprs, num_warps, logit pointer type)
 VARIANTS = [
-    ("stats default bf16", rs._stats_kernel, dict(STATS, **ROW_FLAGS, PDL_TRIGGER=True, FOLD=True), 8, "*bf16"),
-    ("stats unfolded bf16", rs._stats_kernel, dict(STATS, **ROW_FLAGS), 8, "*bf16"),
+    ("stats default bf16", rs._stats_kernel, dict(STATS, **ROW_FLAGS), 8, "*bf16"),
+    ("stats small-batch folded bf16", rs._stats_kernel,
+     dict(STATS, **ROW_FLAGS, BLOCK=1024, PREFETCH=False, PDL_TRIGGER=True, FOLD=True), 4, "*bf16"),
+    ("stats prefetched folded greedy fp16", rs._stats_kernel, dict(STATS, **GREEDY_FLAGS, FOLD=True), 8, "*fp16"),
     ("stats staged greedy fp32", rs._stats_kernel,
      dict(STATS, **GREEDY_FLAGS, BLOCK=1024, PREFETCH=False, STAGED=True, FTZ=False), 4, "*fp32"),
     ("stats live skip l2 hints fp32", rs._stats_kernel,
