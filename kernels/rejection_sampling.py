@@ -352,7 +352,7 @@ def _stats_tile(t, d, offs, m_t, s_t, m_d, s_d, am_v, am_i, g, V, FTZ: tl.conste
     rows, the running arg-max (lowest id of the largest target logit). FOLD (GPU): ``t``, ``d`` are the unscaled
     logits and the running maxima ``m_t``, ``m_d`` unscaled too (:func:`_stats_loop` scales them once at the end);
     each element's exponent is ``(t - m) (s log2 e)`` instead of ``(s t - s m) log2 e``: the scale multiply per
-    element goes into the exponential's own. ``t - m`` is exact for 16-bit logits, so a lane's maximum still
+    element goes into the exponential's own. ``t - m`` is exactly 0 at a lane's maximum, so that maximum still
     contributes exactly 1 (what keeps low-temperature calls exact: a fused ``t (s log2 e) - m s log2 e`` was off by
     up to ~|s t| 2**-24 there, and moved decisions at T = 1e-5); greedy rows have ``s = 1``."""
     if FOLD:
@@ -1203,9 +1203,10 @@ def _fold_scale(setting: bool | None, element_size: int, batch: int) -> bool:
 # 10.7 -> 10.0 / 10.5 -> 9.9, (2, 4, 151936) 12.8 -> 11.7 / 12.6 -> 11.6, (4, 4, 32000) 9.6 -> 9.1 / 9.6 -> 9.1; the
 # exception (4, 8, 128256) 17.3 -> 17.4 on the H200 (18.5 -> 18.3 on the H100). At B = 8 within -1% / +2% ((8, 8,
 # 151936) 26.7 -> 26.4 / 23.4 -> 23.7), at B = 16 slower ((16, 8, 32000) 17.3 -> 18.6 / 15.9 -> 17.4). Two earlier
-# versions of the fold (an FMA ``t (s log2 e) - m s log2 e``; ..._s19_fold{,_b,_b1}.csv, ..._s19_fma.csv) measured
-# the same pattern, but were not exact at T = 1e-5 (see _stats_tile); fp32 logits gained nothing consistent with them
-# (H100: (4, 8, 128256) -6%, (8, 8, 151936) +3%) and are not folded.
+# versions of the fold (exponent ``t (s log2 e) - m s log2 e``, written as a product and a subtract, then as one
+# tl.fma; ..._s19_fold{,_b}.csv, ..._H200_s19_fold_b1.csv, ..._s19_fma.csv) measured the same pattern, but were not
+# exact at T = 1e-5 (see _stats_tile); fp32 logits gained nothing consistent with them (H100: (4, 8, 128256) -6%,
+# (8, 8, 151936) +3%) and are not folded.
 FOLD_MAX_BATCH = 4
 
 
