@@ -248,7 +248,7 @@ SWEEP = {
     "stats_w16": dict(stats_warps=16),
     "stats_w16_prog2": dict(stats_warps=16, stats_programs=2),
     "stats_w4": dict(stats_warps=4),
-    # session 19: the statistics exponent folded into one FMA (tune['fold_scale'])
+    # session 19: the logit scale folded into the statistics exponent (tune['fold_scale'])
     "fold_off": dict(fold_scale=False),
     "fold_on": dict(fold_scale=True),
 }

@@ -146,12 +146,18 @@ def _argmax_update(best_v, best_i, x, offs, V):
 
 
 @triton.jit
+def _exp2_ftz(x):
+    """``2**x`` as one ``ex2.approx.ftz.f32`` (results below 2**-126 flush to 0)."""
+    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
 def _exp(x, FTZ: tl.constexpr):
     """``exp(x)`` in fp32; FTZ: one ``ex2.approx.ftz`` (results below 2**-126 flush to 0) instead of ``tl.exp``'s
     ex2 with its subnormal range fix-up (a compare and two predicated multiplies per element)."""
     if FTZ:
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * 1.4426950408889634],
-                                         dtype=tl.float32, is_pure=True, pack=1)
+        return _exp2_ftz(x * 1.4426950408889634)
     else:
         return tl.exp(x)
 
@@ -339,10 +345,16 @@ def _stats_loads(t_base, d_base, t_nx, d_nx, offs, lim, V, v_d, scale, BLOCK: tl
 
 
 @triton.jit
-def _exp2_ftz(x):
-    """``2**x`` as one ``ex2.approx.ftz.f32`` (results below 2**-126 flush to 0)."""
-    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
-                                     pack=1)
+def _lane_lse(m, s, x, c, FTZ: tl.constexpr):
+    """Lane-wise online (max, sum exp) of the [R, 8] tile ``x``: each term ``2**((x - m) c)`` with FTZ (``c`` is
+    log2 e, or ``s log2 e`` on unscaled logits, see :func:`_stats_tile`), else ``exp(x - m)``."""
+    new = tl.maximum(m, tl.max(x, axis=1))
+    safe = tl.where(new == float("-inf"), 0.0, new)
+    if FTZ:
+        s = s * _exp2_ftz((m - safe) * c) + tl.sum(_exp2_ftz((x - safe[:, None]) * c), axis=1)
+    else:
+        s = s * tl.exp(m - safe) + tl.sum(tl.exp(x - safe[:, None]), axis=1)
+    return new, s
 
 
 @triton.jit
@@ -355,22 +367,12 @@ def _stats_tile(t, d, offs, m_t, s_t, m_d, s_d, am_v, am_i, g, V, FTZ: tl.conste
     element goes into the exponential's own. ``t - m`` is exactly 0 at a lane's maximum, so that maximum still
     contributes exactly 1 (what keeps low-temperature calls exact: a fused ``t (s log2 e) - m s log2 e`` was off by
     up to ~|s t| 2**-24 there, and moved decisions at T = 1e-5); greedy rows have ``s = 1``."""
+    c = 1.4426950408889634  # log2 e
     if FOLD:
-        LOG2E: tl.constexpr = 1.4426950408889634
-        c = scale * LOG2E
-        new_t = tl.maximum(m_t, tl.max(t, axis=1))
-        safe_t = tl.where(new_t == float("-inf"), 0.0, new_t)
-        s_t = s_t * _exp2_ftz((m_t - safe_t) * c) + tl.sum(_exp2_ftz((t - safe_t[:, None]) * c), axis=1)
-        new_d = tl.maximum(m_d, tl.max(d, axis=1))
-        safe_d = tl.where(new_d == float("-inf"), 0.0, new_d)
-        s_d = s_d * _exp2_ftz((m_d - safe_d) * c) + tl.sum(_exp2_ftz((d - safe_d[:, None]) * c), axis=1)
-    else:
-        new_t = tl.maximum(m_t, tl.max(t, axis=1))
-        safe_t = tl.where(new_t == float("-inf"), 0.0, new_t)
-        s_t = s_t * _exp(m_t - safe_t, FTZ) + tl.sum(_exp(t - safe_t[:, None], FTZ), axis=1)
-        new_d = tl.maximum(m_d, tl.max(d, axis=1))
-        safe_d = tl.where(new_d == float("-inf"), 0.0, new_d)
-        s_d = s_d * _exp(m_d - safe_d, FTZ) + tl.sum(_exp(d - safe_d[:, None], FTZ), axis=1)
+        tl.static_assert(FTZ, "the folded exponent needs the ex2 form (FTZ)")
+        c = scale * c
+    new_t, s_t = _lane_lse(m_t, s_t, t, c, FTZ)
+    new_d, s_d = _lane_lse(m_d, s_d, d, c, FTZ)
     if g != 0:
         tile_max = tl.max(tl.max(t, axis=1), axis=0)
         tile_idx = tl.min(tl.min(tl.where(t == tile_max, offs, V), axis=1), axis=0)
