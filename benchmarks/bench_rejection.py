@@ -251,6 +251,11 @@ SWEEP = {
     # session 19: the logit scale folded into the statistics exponent (tune['fold_scale'])
     "fold_off": dict(fold_scale=False),
     "fold_on": dict(fold_scale=True),
+    # session 20: bf16 statistics tiles unpacked by a shift and a mask (tune['unpack'])
+    "unpack_off": dict(unpack=False),
+    "unpack_on": dict(unpack=True),
+    "unpack_fold": dict(unpack=True, fold_scale=True),
+    "unpack_off_fold": dict(unpack=False, fold_scale=True),
 }
 # Earlier sweeps (results/rejection_sweep_H200_v5..v9*.csv) also timed other settings; every row records its tune.
 SWEEP_SMALL = ("default", "stats_pf", "stats_nopf", "race_t4w4", "stats_prog8", "pdl0", "stats:default")

@@ -36,7 +36,8 @@ INT_POINTERS = dict(draft_tokens_ptr="*i64", num_drafts_ptr="*i64", greedy_ptr="
 ROW_FLAGS = dict(HAS_COUNTS=False, HAS_MASK=False, ALL_GREEDY=False)
 GREEDY_FLAGS = dict(HAS_COUNTS=True, HAS_MASK=True, ALL_GREEDY=False)
 STATS = dict(COMPUTE_SCORES=False, KP2=8, BLOCK=4096, ZERO_COUNTERS=True, PDL_TRIGGER=False, PREFETCH=True,
-             STAGED=False, JP2=16, SP2=16, FTZ=True, KEEP_EVICT="", REST_EVICT="", LIVE_SKIP=False, FOLD=False)
+             STAGED=False, JP2=16, SP2=16, FTZ=True, KEEP_EVICT="", REST_EVICT="", LIVE_SKIP=False, FOLD=False,
+             UNPACK=False)
 RACE = dict(COMPUTE_SCORES=False, KP2=8, JP2=16, SP2=16, TILES=4, RACE_TILE=rs.RACE_TILE,
             TILE_BASE=rs.TILE_INDEX_BASE, SINGLE=False, FUSE=True, SP2B=16, MASS_EPS=rs.RESIDUAL_MASS_EPS,
             PDL_WAIT=False, FTZ=True, RACE_EVICT="", FAST_LOG=True)
@@ -44,8 +45,9 @@ RACE = dict(COMPUTE_SCORES=False, KP2=8, JP2=16, SP2=16, TILES=4, RACE_TILE=rs.R
 # (name, kernel, constexprs, num_warps, logit pointer type)
 VARIANTS = [
     ("stats default bf16", rs._stats_kernel, dict(STATS, **ROW_FLAGS), 8, "*bf16"),
+    ("stats prefetched unpacked bf16", rs._stats_kernel, dict(STATS, **ROW_FLAGS, UNPACK=True), 8, "*bf16"),
     ("stats small-batch folded bf16", rs._stats_kernel,
-     dict(STATS, **ROW_FLAGS, BLOCK=1024, PREFETCH=False, PDL_TRIGGER=True, FOLD=True), 4, "*bf16"),
+     dict(STATS, **ROW_FLAGS, BLOCK=1024, PREFETCH=False, PDL_TRIGGER=True, FOLD=True, UNPACK=True), 4, "*bf16"),
     ("stats prefetched folded greedy fp16", rs._stats_kernel, dict(STATS, **GREEDY_FLAGS, FOLD=True), 8, "*fp16"),
     ("stats staged greedy fp32", rs._stats_kernel,
      dict(STATS, **GREEDY_FLAGS, BLOCK=1024, PREFETCH=False, STAGED=True, FTZ=False), 4, "*fp32"),
@@ -53,7 +55,8 @@ VARIANTS = [
      dict(STATS, **ROW_FLAGS, BLOCK=2048, LIVE_SKIP=True, KEEP_EVICT="evict_last", REST_EVICT="evict_first",
           FOLD=True), 4,
      "*fp32"),
-    ("stats live skip no prefetch bf16", rs._stats_kernel, dict(STATS, **ROW_FLAGS, LIVE_SKIP=True, PREFETCH=False),
+    ("stats live skip no prefetch unpacked bf16", rs._stats_kernel,
+     dict(STATS, **ROW_FLAGS, LIVE_SKIP=True, PREFETCH=False, UNPACK=True),
      16, "*bf16"),
     ("stats scores all greedy fp16", rs._stats_kernel,
      dict(STATS, HAS_COUNTS=False, HAS_MASK=False, ALL_GREEDY=True, COMPUTE_SCORES=True), 8, "*fp16"),

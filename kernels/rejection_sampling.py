@@ -70,7 +70,8 @@ Two launch strategies compute the same function:
   ``log u``) are one ``lg2.approx.f32`` each (``tune={"fast_log": False}`` restores ``tl.log``): absolute error
   at most 2.3e-6 (libdevice: 1.0e-6; H100, every 7th fp32 in [2**-24, 16),
   ``benchmarks/results/fastlog_check_s11_H100.txt``), about one fp32 ulp of the largest noise terms, so only a
-  near-tie of race scores can move. The interpreter always uses ``tl.exp`` and ``tl.log``.
+  near-tie of race scores can move. bf16 statistics tiles become fp32 by a shift and a mask per pair of ids
+  (``tune['unpack']``, exact). The interpreter always uses ``tl.exp``, ``tl.log`` and ``.to(float32)``.
 * ``"seq"`` (opt-in; never faster on an H200, see ``benchmarks/NOTES_rejection.md``): one launch, one program per
   row, positions in order with **early exit**: rows past the first rejection are never read. Bytes read are about
   ``2 * (stop + 1) * V`` per row plus the re-read of the stop row for the race, instead of ``(2K + 1) * V``;
@@ -150,6 +151,23 @@ def _exp2_ftz(x):
     """``2**x`` as one ``ex2.approx.ftz.f32`` (results below 2**-126 flush to 0)."""
     return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
                                      pack=1)
+
+
+@triton.jit
+def _bf16_to_f32(x):
+    """bf16 -> fp32 (exact), two ids a 32-bit register: the low id shifted up, the high id masked in place (two
+    instructions per pair; the compiler's conversion takes three)."""
+    return tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }", "=r,=r,r", [x],
+                                     dtype=tl.float32, is_pure=True, pack=2)
+
+
+@triton.jit
+def _to_f32(x, UNPACK: tl.constexpr):
+    """``x.to(float32)``; UNPACK (GPU, bf16 ``x`` only): through :func:`_bf16_to_f32`."""
+    if UNPACK:
+        return _bf16_to_f32(x)
+    else:
+        return x.to(tl.float32)
 
 
 @triton.jit
@@ -325,22 +343,22 @@ def _certainly_rejected(target_ptr, draft_ptr, draft_tokens_ptr, seeds_ptr, offs
 
 @triton.jit
 def _stats_loads(t_base, d_base, t_nx, d_nx, offs, lim, V, v_d, scale, BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
-                 EVICT: tl.constexpr, FOLD: tl.constexpr = False):
+                 EVICT: tl.constexpr, FOLD: tl.constexpr = False, UNPACK: tl.constexpr = False):
     """The statistics loops' tile at ``offs`` as scaled fp32 (target, draft; FOLD: unscaled, the caller folds the
     scale into its exponent) and, with PREFETCH, the next tile's loads issued (``t_nx`` / ``d_nx`` hold this tile,
-    loaded by the previous call; ids from ``lim`` on load as ``-inf``, so ``lim = 0`` loads nothing). Returns
-    (t, d, t_nx, d_nx)."""
+    loaded by the previous call; ids from ``lim`` on load as ``-inf``, so ``lim = 0`` loads nothing). UNPACK (bf16
+    logits, GPU): the conversion to fp32 by :func:`_bf16_to_f32`. Returns (t, d, t_nx, d_nx)."""
     if FOLD:
         scale = 1.0
     if PREFETCH:
-        t = t_nx.to(tl.float32) * scale
-        d = d_nx.to(tl.float32) * scale
+        t = _to_f32(t_nx, UNPACK) * scale
+        d = _to_f32(d_nx, UNPACK) * scale
         t_nx = tl.load(t_base + offs + BLOCK, mask=offs + BLOCK < lim, other=float("-inf"), eviction_policy=EVICT)
         d_nx = tl.load(d_base + offs + BLOCK, mask=offs + BLOCK < tl.minimum(lim, v_d), other=float("-inf"),
                        eviction_policy=EVICT)
     else:
-        t = tl.load(t_base + offs, mask=offs < V, other=float("-inf"), eviction_policy=EVICT).to(tl.float32) * scale
-        d = tl.load(d_base + offs, mask=offs < v_d, other=float("-inf"), eviction_policy=EVICT).to(tl.float32) * scale
+        t = _to_f32(tl.load(t_base + offs, mask=offs < V, other=float("-inf"), eviction_policy=EVICT), UNPACK) * scale
+        d = _to_f32(tl.load(d_base + offs, mask=offs < v_d, other=float("-inf"), eviction_policy=EVICT), UNPACK) * scale
     return t, d, t_nx, d_nx
 
 
@@ -385,7 +403,7 @@ def _stats_tile(t, d, offs, m_t, s_t, m_d, s_d, am_v, am_i, g, V, FTZ: tl.conste
 @triton.jit
 def _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2, reject_ptr, j, K, BLOCK: tl.constexpr,
                 PREFETCH: tl.constexpr, FTZ: tl.constexpr, EVICT: tl.constexpr, LIVE: tl.constexpr,
-                FOLD: tl.constexpr = False):
+                FOLD: tl.constexpr = False, UNPACK: tl.constexpr = False):
     """The statistics kernel's loop over ``[lo, hi)``: lane-wise online log-sum-exp on ``[BLOCK // 8, 8]`` tiles (the
     axis-1 reductions stay inside a thread or a warp, so a tile needs no block-wide barrier; one exp per element plus
     one per 8 elements for the rescale) and, for greedy rows, the arg-max. PREFETCH: ``t_nx`` / ``d_nx`` hold the
@@ -410,7 +428,7 @@ def _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2, rej
             offs = start + rows2
             lim = tl.where((start + BLOCK < hi) & (K + 1 - word >= j), V, 0)
             t, d, t_nx, d_nx = _stats_loads(t_base, d_base, t_nx, d_nx, offs, lim, V, v_d, scale, BLOCK, PREFETCH,
-                                            EVICT, FOLD)
+                                            EVICT, FOLD, UNPACK)
             next_word = tl.load(reject_ptr, volatile=True)
             m_t, s_t, m_d, s_d, am_v, am_i = _stats_tile(t, d, offs, m_t, s_t, m_d, s_d, am_v, am_i, g, V, FTZ,
                                                          scale, FOLD)
@@ -421,7 +439,7 @@ def _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2, rej
         for start in range(lo, hi, BLOCK):
             offs = start + rows2
             t, d, t_nx, d_nx = _stats_loads(t_base, d_base, t_nx, d_nx, offs, tl.where(start + BLOCK < hi, V, 0), V,
-                                            v_d, scale, BLOCK, PREFETCH, EVICT, FOLD)
+                                            v_d, scale, BLOCK, PREFETCH, EVICT, FOLD, UNPACK)
             m_t, s_t, m_d, s_d, am_v, am_i = _stats_tile(t, d, offs, m_t, s_t, m_d, s_d, am_v, am_i, g, V, FTZ,
                                                          scale, FOLD)
     if FOLD:  # the running maxima were unscaled (see _stats_tile)
@@ -438,7 +456,8 @@ def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greed
                   ZERO_COUNTERS: tl.constexpr, PDL_TRIGGER: tl.constexpr, PREFETCH: tl.constexpr,
                   STAGED: tl.constexpr, JP2: tl.constexpr, SP2: tl.constexpr, FTZ: tl.constexpr,
                   keep_positions=0, KEEP_EVICT: tl.constexpr = "", REST_EVICT: tl.constexpr = "",
-                  pair_counter_ptr=None, batch=0, LIVE_SKIP: tl.constexpr = False, FOLD: tl.constexpr = False):
+                  pair_counter_ptr=None, batch=0, LIVE_SKIP: tl.constexpr = False, FOLD: tl.constexpr = False,
+                  UNPACK: tl.constexpr = False):
     """Partial (max, sum exp) of target and draft over one vocabulary chunk of one (row, position).
 
     Grid ``(B * pos_count, S)``: positions ``pos_lo .. pos_lo + pos_count - 1`` of every row. STAGED (a launch
@@ -450,6 +469,7 @@ def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greed
     ZERO_COUNTERS: program (row b, position 0, split 0) zeroes ``counter[b]``, the arrival counter of the race
     programs of row b (fused finalize; no separate memset launch). PDL_TRIGGER: let the race kernel (launched with
     programmatic dependent launch) start its prologue now; it waits (``gdc_wait``) before reading anything written here.
+    UNPACK (bf16 logits, GPU): tiles converted to fp32 by :func:`_bf16_to_f32` (``tune['unpack']``).
     LIVE_SKIP (one launch over every position): grid ``(S, B * pos_count)`` in position-major order, so the GPU
     starts the programs of position j after those of earlier positions. ``pair_counter`` ([B * (K + 1) + B] int32,
     zeroed by the caller) holds an arrival count per (row, position) and a rejection word per row: the last program
@@ -517,13 +537,16 @@ def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greed
     reject_ptr = pair_counter_ptr + batch * (K + 1) + b  # (LIVE_SKIP) the row's rejection word
     if KEEP_EVICT == REST_EVICT:
         m_t, s_t, m_d, s_d, am_i = _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2, reject_ptr,
-                                               j, K, BLOCK, PREFETCH, FTZ, KEEP_EVICT, LIVE_SKIP, FOLD)
+                                               j, K, BLOCK, PREFETCH, FTZ, KEEP_EVICT, LIVE_SKIP, FOLD,
+                                               UNPACK)
     elif keep:
         m_t, s_t, m_d, s_d, am_i = _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2, reject_ptr,
-                                               j, K, BLOCK, PREFETCH, FTZ, KEEP_EVICT, LIVE_SKIP, FOLD)
+                                               j, K, BLOCK, PREFETCH, FTZ, KEEP_EVICT, LIVE_SKIP, FOLD,
+                                               UNPACK)
     else:
         m_t, s_t, m_d, s_d, am_i = _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2, reject_ptr,
-                                               j, K, BLOCK, PREFETCH, FTZ, REST_EVICT, LIVE_SKIP, FOLD)
+                                               j, K, BLOCK, PREFETCH, FTZ, REST_EVICT, LIVE_SKIP, FOLD,
+                                               UNPACK)
     mt_all = tl.max(m_t, axis=0)
     safe = tl.where(mt_all == float("-inf"), 0.0, mt_all)
     st_all = tl.sum(s_t * tl.exp(m_t - safe), axis=0)
@@ -974,10 +997,18 @@ SEQ_MIN_BATCH = 1 << 62
 #   fold_scale      (with ftz) the statistics loop on unscaled logits, each element's exponent ``(t - m) (s log2 e)``
 #                   (the scale multiply per element folded into the exponential's; see _stats_tile); None: 16-bit
 #                   logits with B <= FOLD_MAX_BATCH on the GPU (see _fold_scale)
+#   unpack          bf16 statistics tiles converted to fp32 two ids a register by a shift and a mask
+#                   (:func:`_bf16_to_f32`, exact) instead of the compiler's PRMT + shift for the high id; None: on
+#                   (GPU). Statistics loop 328 -> 301 instructions per 4096-id tile at the B = 128 bf16 plan (live
+#                   skip, prefetch, 8 warps; Triton 3.6, sm_90 SASS). Same process, each setting twice, means, on /
+#                   off (results/rejection_sweep_{H100_80GB_HBM3,H200}_s20_unpack.csv, every row exact), H100 / H200:
+#                   (128, 4, 32000) 42.8 -> 39.0 / 37.3 -> 33.3 us, (128, 8, 151936) 166.8 -> 162.8 / 139.2 -> 136.7,
+#                   (32, 8, 32000) 23.6 -> 23.3 / 20.1 -> 19.2, (16, 8, 32000) 17.2 -> 17.0 / 15.9 -> 15.4; faster or
+#                   within 0.2% at all 11 shapes on each card except H200 (8, 4, 151936) 17.7 -> 17.8 (+0.7%)
 TUNE_DEFAULT = dict(fuse=True, race_tiles=None, race_warps=None, race_programs=None, stats_programs=None,
                     stats_block=None, stats_warps=None, stats_prefetch=None, tight_sp2=True, pdl=None, stats_only=False,
                     stages=None, skip_bonus=None, ftz=None, l2_keep=None, fast_log=None, live_skip=None,
-                    fold_scale=None)
+                    fold_scale=None, unpack=None)
 # automatic choices (None above), each measured on an H200 unless said otherwise (benchmarks/NOTES_rejection.md):
 #   stats_prefetch None: on for B >= 16 with the 4096 tile (B (K+1) tiles >= 4 per SM), with 16 warps when the stats
 #                   grid has one program per (row, position) (B (K+1) >= stats_programs * SMs; (128, 8): stats
@@ -1368,6 +1399,7 @@ def rejection_sample_triton(
         pdl = int(cfg["pdl"])
     ftz = _fast_math("ftz", cfg["ftz"])
     fold = _fold_scale(cfg["fold_scale"], target.element_size(), batch) and ftz
+    unpack = _fast_math("unpack", cfg["unpack"]) and target.dtype == torch.bfloat16
     fast_log = _fast_math("fast_log", cfg["fast_log"])
     l2_keep = _l2_keep(cfg["l2_keep"], target.element_size(), vocab, num_drafts, batch)
     keep_evict, rest_evict = ("evict_last", "evict_first") if l2_keep else ("", "")
@@ -1398,7 +1430,7 @@ def rejection_sample_triton(
             ZERO_COUNTERS=fuse and index == 0, PDL_TRIGGER=pdl >= 2 and last, PREFETCH=bool(prefetch),
             STAGED=index > 0, JP2=jp2, SP2=_sp2(splits, cfg["tight_sp2"]), FTZ=ftz, num_warps=warps,
             keep_positions=l2_keep, KEEP_EVICT=keep_evict, REST_EVICT=rest_evict, pair_counter_ptr=pair_counter,
-            batch=batch, LIVE_SKIP=live_skip, FOLD=fold, **flags,
+            batch=batch, LIVE_SKIP=live_skip, FOLD=fold, UNPACK=unpack, **flags,
         )
     if cfg["stats_only"]:
         return tokens, num_accepted, None, None

@@ -21,7 +21,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import specdec  # noqa: E402
-from specdec.kernels.rejection_sampling import _rejected_before, rejection_sample_triton  # noqa: E402
+from specdec.kernels.rejection_sampling import _rejected_before, _to_f32, rejection_sample_triton  # noqa: E402
 from specdec.kernels.rejection_sampling_reference import rejection_sample_reference  # noqa: E402
 from specdec.metrics import acceptance_from_logits, accepted_count_distribution  # noqa: E402
 
@@ -279,7 +279,26 @@ def test_fold_scale_rule_folds_the_scale_for_16_bit_logits_at_batches_up_to_4(mo
     assert kernel._fold_scale(True, 4, 128) and not kernel._fold_scale(False, 2, 1)  # explicit settings win
 
 
-@pytest.mark.parametrize("key", ["ftz", "fast_log", "fold_scale"])
+@triton.jit
+def _convert_kernel(src_ptr, dst_ptr, BLOCK: tl.constexpr, UNPACK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst_ptr + offs, _to_f32(tl.load(src_ptr + offs), UNPACK))
+
+
+@gpu_only
+@pytest.mark.parametrize("unpack", [True, False])
+def test_bf16_statistics_conversion_keeps_every_bit_pattern_gpu(unpack):
+    """The statistics tiles' bf16 -> fp32 conversion (the inline-asm unpack of two ids a register, and the plain
+    one) gives torch's fp32 bit pattern for all 65536 bf16 patterns, in order (a swapped pair would fail). GPU only:
+    the interpreter has no inline assembly, and its own conversion flushes bf16 subnormals."""
+    patterns = torch.arange(-(2**15), 2**15, dtype=torch.int32, device=DEVICE).to(torch.int16)
+    src = patterns.view(torch.bfloat16)
+    dst = torch.empty(src.shape, dtype=torch.float32, device=DEVICE)
+    _convert_kernel[(src.numel() // 1024,)](src, dst, BLOCK=1024, UNPACK=unpack)
+    assert torch.equal(dst.view(torch.int32), src.float().view(torch.int32))
+
+
+@pytest.mark.parametrize("key", ["ftz", "fast_log", "fold_scale", "unpack"])
 def test_fast_math_settings_must_be_none_or_bool(key):
     case = make_case(1, 1, 100, seed=1)
     with pytest.raises(ValueError, match=key):
@@ -568,7 +587,8 @@ GPU_LAUNCH_PLANS = dict(default={}, no_fuse=LAUNCH_PLANS["no_fuse"],
                         no_stats_prefetch=dict(stats_prefetch=False),
                         one_warp_race=LAUNCH_PLANS["one_warp_race"], pdl1=dict(pdl=1), pdl2=dict(pdl=2),
                         no_ftz=dict(ftz=False), l2_keep=dict(l2_keep=2), no_fast_log=dict(fast_log=False),
-                        fold_on=dict(fold_scale=True), fold_off=dict(fold_scale=False))
+                        fold_on=dict(fold_scale=True), fold_off=dict(fold_scale=False),
+                        unpack_off=dict(unpack=False), unpack_fold=dict(unpack=True, fold_scale=True))
 
 
 @gpu_only
