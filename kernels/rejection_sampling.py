@@ -1000,11 +1000,12 @@ SEQ_MIN_BATCH = 1 << 62
 #   unpack          bf16 statistics tiles converted to fp32 two ids a register by a shift and a mask
 #                   (:func:`_bf16_to_f32`, exact) instead of the compiler's PRMT + shift for the high id; None: on
 #                   (GPU). Statistics loop 328 -> 301 instructions per 4096-id tile at the B = 128 bf16 plan (live
-#                   skip, prefetch, 8 warps; Triton 3.6, sm_90 SASS). Same process, each setting twice, means, on /
-#                   off (results/rejection_sweep_{H100_80GB_HBM3,H200}_s20_unpack.csv, every row exact), H100 / H200:
-#                   (128, 4, 32000) 42.8 -> 39.0 / 37.3 -> 33.3 us, (128, 8, 151936) 166.8 -> 162.8 / 139.2 -> 136.7,
-#                   (32, 8, 32000) 23.6 -> 23.3 / 20.1 -> 19.2, (16, 8, 32000) 17.2 -> 17.0 / 15.9 -> 15.4; faster or
-#                   within 0.2% at all 11 shapes on each card except H200 (8, 4, 151936) 17.7 -> 17.8 (+0.7%)
+#                   skip, prefetch, 8 warps; Triton 3.6, sm_90 SASS, benchmarks/sass_rejection_stats.py). Same
+#                   process, each setting twice, means, off -> on (results/rejection_sweep_{H100_80GB_HBM3,H200}
+#                   _s20_unpack.csv, every row exact), H100 / H200: (128, 4, 32000) 42.8 -> 39.0 / 37.3 -> 33.3 us,
+#                   (128, 8, 151936) 166.8 -> 162.8 / 139.2 -> 136.7, (32, 8, 32000) 23.6 -> 23.3 / 20.1 -> 19.2,
+#                   (16, 8, 32000) 17.2 -> 17.0 / 15.9 -> 15.4; faster or within 0.2% at all 11 shapes on each card
+#                   except H200 (8, 4, 151936) 17.7 -> 17.8 (+0.7%)
 TUNE_DEFAULT = dict(fuse=True, race_tiles=None, race_warps=None, race_programs=None, stats_programs=None,
                     stats_block=None, stats_warps=None, stats_prefetch=None, tight_sp2=True, pdl=None, stats_only=False,
                     stages=None, skip_bonus=None, ftz=None, l2_keep=None, fast_log=None, live_skip=None,
