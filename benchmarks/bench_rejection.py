@@ -256,6 +256,7 @@ SWEEP = {
     "unpack_on": dict(unpack=True),
     "unpack_fold": dict(unpack=True, fold_scale=True),
     "unpack_off_fold": dict(unpack=False, fold_scale=True),
+    "stats_w8": dict(stats_warps=8),
 }
 # Earlier sweeps (results/rejection_sweep_H200_v5..v9*.csv) also timed other settings; every row records its tune.
 SWEEP_SMALL = ("default", "stats_pf", "stats_nopf", "race_t4w4", "stats_prog8", "pdl0", "stats:default")
