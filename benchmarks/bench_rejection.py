@@ -243,8 +243,9 @@ SWEEP = {
     **{f"live_p{n}_b1024": dict(live_skip=True, stats_programs=n, stats_block=1024, stats_warps=4,
                                 stats_prefetch=True) for n in (16, 32)},
     **{f"stats:live_p{n}": dict(live_skip=True, stats_programs=n, stats_only=True) for n in (8, 32)},
-    # session 17: warps of the statistics programs (the prefetched 4096 plan holds 247 registers at 8 warps, so one
-    # program per SM is resident; results/stats_kernel_registers_triton36_sm90.csv)
+    # session 17: warps of the statistics programs (session 17 read 247 registers at 8 warps for the prefetched 4096
+    # plan, results/stats_kernel_registers_triton36_sm90.csv, but that compile lacked the 16-divisible arguments of the
+    # benchmark's vocabularies; with them 61-63 bf16 / 122-126 fp32: ..._triton36_sm90_s20.txt)
     "stats_w16": dict(stats_warps=16),
     "stats_w16_prog2": dict(stats_warps=16, stats_programs=2),
     "stats_w4": dict(stats_warps=4),
@@ -256,6 +257,7 @@ SWEEP = {
     "unpack_on": dict(unpack=True),
     "unpack_fold": dict(unpack=True, fold_scale=True),
     "unpack_off_fold": dict(unpack=False, fold_scale=True),
+    # session 20: 8 statistics warps where the automatic plan takes 16 (B (K + 1) >= 4 programs per SM)
     "stats_w8": dict(stats_warps=8),
 }
 # Earlier sweeps (results/rejection_sweep_H200_v5..v9*.csv) also timed other settings; every row records its tune.

@@ -46,7 +46,7 @@ RACE = dict(COMPUTE_SCORES=False, KP2=8, JP2=16, SP2=16, TILES=4, RACE_TILE=rs.R
 VARIANTS = [
     ("stats default bf16", rs._stats_kernel, dict(STATS, **ROW_FLAGS), 8, "*bf16"),
     ("stats prefetched unpacked bf16", rs._stats_kernel, dict(STATS, **ROW_FLAGS, UNPACK=True), 8, "*bf16"),
-    ("stats small-batch folded bf16", rs._stats_kernel,
+    ("stats small-batch folded unpacked bf16", rs._stats_kernel,
      dict(STATS, **ROW_FLAGS, BLOCK=1024, PREFETCH=False, PDL_TRIGGER=True, FOLD=True, UNPACK=True), 4, "*bf16"),
     ("stats prefetched folded greedy fp16", rs._stats_kernel, dict(STATS, **GREEDY_FLAGS, FOLD=True), 8, "*fp16"),
     ("stats staged greedy fp32", rs._stats_kernel,

@@ -1,8 +1,9 @@
 """Registers per thread of the statistics kernel's launch plans, compiled for sm_90 on the CPU (no GPU needed).
 
 Uses ``compile_rejection.py``'s signatures and target and the ``cuobjdump`` bundled with Triton. Registers decide how
-many programs of a plan an SM holds at once (65536 per SM; `programs_per_sm` ignores the allocation granularity):
-e.g. 247 x 256 threads leaves room for one 8-warp program.
+many programs of a plan an SM holds at once (65536 per SM; `programs_per_sm` ignores the allocation granularity).
+Compiled with the arguments 16-divisible as at the benchmark's vocabularies (``aligned``, what runs there; Nsight
+Compute on an H200 gave 64 registers for the B = 128 bf16 live-skip plan, session 20) and without (any V).
 Run it with the GPU machine's Triton (see ``compile_rejection.py``) for the GPU's numbers.
 
     python benchmarks/registers_rejection.py
@@ -28,10 +29,16 @@ import compile_rejection as cr  # noqa: E402
 PLANS = [(4096, True, 8), (4096, True, 16), (2048, True, 4), (1024, False, 4)]
 
 
-def registers(constexprs: dict, warps: int, logits: str) -> int:
+def registers(constexprs: dict, warps: int, logits: str, aligned: bool = True) -> int:
+    names = cr.rs._stats_kernel.arg_names
+    # aligned: pointers, V and chunk divisible by 16, as Triton specialises the launcher's arguments at the benchmark's
+    # vocabularies (32000, 128256, 151936); without it the tiles load as 16-bit / 32-bit scalars (session 20: the
+    # numbers before that session were of this unaligned variant)
+    attrs = {(names.index(name),): [["tt.divisibility", 16]]
+             for name in ("target_ptr", "draft_ptr", "stats_ptr", "V", "chunk")} if aligned else {}
     source = triton.compiler.ASTSource(fn=cr.rs._stats_kernel,
                                        signature=cr.signature(cr.rs._stats_kernel, constexprs, logits),
-                                       constexprs=constexprs)
+                                       constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(source, target=cr.TARGET, options=dict(num_warps=warps))
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -43,15 +50,16 @@ def registers(constexprs: dict, warps: int, logits: str) -> int:
 
 def main() -> None:
     print(f"# triton {triton.__version__}, sm_90, _stats_kernel registers per thread")
-    print("block,prefetch,warps,live_skip,logits,registers,programs_per_sm")
-    for block, prefetch, warps in PLANS:
-        for live in (False, True):
-            for logits in ("*fp32", "*bf16"):
-                constexprs = dict(cr.STATS, **cr.ROW_FLAGS, BLOCK=block, PREFETCH=prefetch, LIVE_SKIP=live, KP2=4,
-                                  JP2=8, SP2=4)
-                regs = registers(constexprs, warps, logits)
-                print(f"{block},{prefetch},{warps},{live},{logits[1:]},{regs},{65536 // (regs * 32 * warps)}",
-                      flush=True)
+    print("block,prefetch,warps,live_skip,logits,aligned,registers,programs_per_sm")
+    for aligned in (True, False):
+        for block, prefetch, warps in PLANS:
+            for live in (False, True):
+                for logits in ("*fp32", "*bf16"):
+                    constexprs = dict(cr.STATS, **cr.ROW_FLAGS, BLOCK=block, PREFETCH=prefetch, LIVE_SKIP=live,
+                                      KP2=4, JP2=8, SP2=4, UNPACK=logits == "*bf16")
+                    regs = registers(constexprs, warps, logits, aligned)
+                    print(f"{block},{prefetch},{warps},{live},{logits[1:]},{aligned},{regs},"
+                          f"{65536 // (regs * 32 * warps)}", flush=True)
 
 
 if __name__ == "__main__":

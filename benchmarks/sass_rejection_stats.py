@@ -16,6 +16,9 @@ import collections
 import os
 import sys
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("run without TRITON_INTERPRET=1: the interpreter replaces the kernels this script compiles")
+
 import triton
 from triton.backends.compiler import GPUTarget
 

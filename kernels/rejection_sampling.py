@@ -163,8 +163,9 @@ def _bf16_to_f32(x):
 
 @triton.jit
 def _to_f32(x, UNPACK: tl.constexpr):
-    """``x.to(float32)``; UNPACK (GPU, bf16 ``x`` only): through :func:`_bf16_to_f32`."""
-    if UNPACK:
+    """``x.to(float32)``; UNPACK (GPU): a bf16 ``x`` through :func:`_bf16_to_f32` (other dtypes as before, so target
+    and draft logits of different dtypes each take their own conversion)."""
+    if UNPACK and x.dtype == tl.bfloat16:
         return _bf16_to_f32(x)
     else:
         return x.to(tl.float32)
@@ -346,8 +347,8 @@ def _stats_loads(t_base, d_base, t_nx, d_nx, offs, lim, V, v_d, scale, BLOCK: tl
                  EVICT: tl.constexpr, FOLD: tl.constexpr = False, UNPACK: tl.constexpr = False):
     """The statistics loops' tile at ``offs`` as scaled fp32 (target, draft; FOLD: unscaled, the caller folds the
     scale into its exponent) and, with PREFETCH, the next tile's loads issued (``t_nx`` / ``d_nx`` hold this tile,
-    loaded by the previous call; ids from ``lim`` on load as ``-inf``, so ``lim = 0`` loads nothing). UNPACK (bf16
-    logits, GPU): the conversion to fp32 by :func:`_bf16_to_f32`. Returns (t, d, t_nx, d_nx)."""
+    loaded by the previous call; ids from ``lim`` on load as ``-inf``, so ``lim = 0`` loads nothing). UNPACK (GPU):
+    bf16 tiles converted by :func:`_bf16_to_f32`. Returns (t, d, t_nx, d_nx)."""
     if FOLD:
         scale = 1.0
     if PREFETCH:
@@ -469,7 +470,7 @@ def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greed
     ZERO_COUNTERS: program (row b, position 0, split 0) zeroes ``counter[b]``, the arrival counter of the race
     programs of row b (fused finalize; no separate memset launch). PDL_TRIGGER: let the race kernel (launched with
     programmatic dependent launch) start its prologue now; it waits (``gdc_wait``) before reading anything written here.
-    UNPACK (bf16 logits, GPU): tiles converted to fp32 by :func:`_bf16_to_f32` (``tune['unpack']``).
+    UNPACK (GPU): bf16 tiles converted to fp32 by :func:`_bf16_to_f32` (``tune['unpack']``).
     LIVE_SKIP (one launch over every position): grid ``(S, B * pos_count)`` in position-major order, so the GPU
     starts the programs of position j after those of earlier positions. ``pair_counter`` ([B * (K + 1) + B] int32,
     zeroed by the caller) holds an arrival count per (row, position) and a rejection word per row: the last program
@@ -999,13 +1000,14 @@ SEQ_MIN_BATCH = 1 << 62
 #                   logits with B <= FOLD_MAX_BATCH on the GPU (see _fold_scale)
 #   unpack          bf16 statistics tiles converted to fp32 two ids a register by a shift and a mask
 #                   (:func:`_bf16_to_f32`, exact) instead of the compiler's PRMT + shift for the high id; None: on
-#                   (GPU). Statistics loop 328 -> 301 instructions per 4096-id tile at the B = 128 bf16 plan (live
-#                   skip, prefetch, 8 warps; Triton 3.6, sm_90 SASS, benchmarks/sass_rejection_stats.py). Same
-#                   process, each setting twice, means, off -> on (results/rejection_sweep_{H100_80GB_HBM3,H200}
-#                   _s20_unpack.csv, every row exact), H100 / H200: (128, 4, 32000) 42.8 -> 39.0 / 37.3 -> 33.3 us,
-#                   (128, 8, 151936) 166.8 -> 162.8 / 139.2 -> 136.7, (32, 8, 32000) 23.6 -> 23.3 / 20.1 -> 19.2,
-#                   (16, 8, 32000) 17.2 -> 17.0 / 15.9 -> 15.4; faster or within 0.2% at all 11 shapes on each card
-#                   except H200 (8, 4, 151936) 17.7 -> 17.8 (+0.7%)
+#                   for bf16 tiles on the GPU when V % 16 == 0 (see _unpack); other dtypes are never affected.
+#                   Statistics loop 328 -> 301 instructions per 4096-id tile at the B = 128 bf16 plan (live skip,
+#                   prefetch, 8 warps; Triton 3.6, sm_90 SASS, benchmarks/sass_rejection_stats.py). Same process,
+#                   each setting twice, means, off -> on (results/rejection_sweep_{H100_80GB_HBM3,H200}_s20_unpack.csv,
+#                   every row exact), H100 / H200: (128, 4, 32000) 42.8 -> 39.0 / 37.3 -> 33.3 us, (128, 8, 151936)
+#                   166.8 -> 162.8 / 139.2 -> 136.7, (32, 8, 32000) 23.6 -> 23.3 / 20.1 -> 19.2, (16, 8, 32000)
+#                   17.2 -> 17.0 / 15.9 -> 15.4; at B <= 8 no measurable change (-1.1% to +0.7%, while one plan timed
+#                   under two names differed by up to 1.4% in the same sweep)
 TUNE_DEFAULT = dict(fuse=True, race_tiles=None, race_warps=None, race_programs=None, stats_programs=None,
                     stats_block=None, stats_warps=None, stats_prefetch=None, tight_sp2=True, pdl=None, stats_only=False,
                     stages=None, skip_bonus=None, ftz=None, l2_keep=None, fast_log=None, live_skip=None,
@@ -1213,8 +1215,8 @@ def _l2_keep(setting: int | None, element_size: int, vocab: int, num_drafts: int
 
 
 def _fast_math(key: str, setting: bool | None) -> bool:
-    """Whether an inline-PTX fast-math setting (``tune['ftz']``, ``tune['fast_log']``) is used: None or True on the
-    GPU, never in the interpreter (it has no PTX)."""
+    """Whether an inline-PTX setting (``tune['ftz']``, ``tune['fast_log']``, and the exact ``tune['unpack']``) may be
+    used: None or True on the GPU, never in the interpreter (it has no PTX)."""
     if setting is not None and not isinstance(setting, bool):
         raise ValueError(f"tune[{key!r}] must be None, True or False, got {setting!r}")
     return setting is not False and not _INTERPRET
@@ -1242,6 +1244,17 @@ def _fold_scale(setting: bool | None, element_size: int, batch: int) -> bool:
 # exact at T = 1e-5 (see _stats_tile); fp32 logits gained nothing consistent with them (H100: (4, 8, 128256) -6%,
 # (8, 8, 151936) +3%) and are not folded.
 FOLD_MAX_BATCH = 4
+
+
+def _unpack(setting: bool | None, target_dtype: torch.dtype, draft_dtype: torch.dtype, vocab: int) -> bool:
+    """Whether bf16 statistics tiles are converted by :func:`_bf16_to_f32` (``tune['unpack']``; never in the
+    interpreter; other dtypes are unaffected either way). None (automatic): when either logit tensor is bf16 and
+    ``V % 16 == 0``: every measured vocabulary was (32000, 128256, 151936); with other V the rows are not provably
+    16-byte aligned, the tiles load as 16-bit scalars and the unpack would first have to repack them (more
+    instructions in offline SASS; not timed)."""
+    if not _fast_math("unpack", setting) or torch.bfloat16 not in (target_dtype, draft_dtype):
+        return False
+    return setting is True or vocab % 16 == 0
 
 
 def _race_plan(element_size: int, batch: int, cfg: dict, num_warps: int | None, interpret: bool,
@@ -1400,7 +1413,7 @@ def rejection_sample_triton(
         pdl = int(cfg["pdl"])
     ftz = _fast_math("ftz", cfg["ftz"])
     fold = _fold_scale(cfg["fold_scale"], target.element_size(), batch) and ftz
-    unpack = _fast_math("unpack", cfg["unpack"]) and target.dtype == torch.bfloat16
+    unpack = _unpack(cfg["unpack"], target.dtype, draft.dtype, vocab)
     fast_log = _fast_math("fast_log", cfg["fast_log"])
     l2_keep = _l2_keep(cfg["l2_keep"], target.element_size(), vocab, num_drafts, batch)
     keep_evict, rest_evict = ("evict_last", "evict_first") if l2_keep else ("", "")

@@ -30,6 +30,7 @@ from stats import assert_follows  # noqa: E402
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 gpu_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (too slow in Triton's interpreter)")
+_INTERPRET_ON = os.environ.get("TRITON_INTERPRET") == "1"
 STRATEGIES = ("split", "seq")
 
 
@@ -285,7 +286,8 @@ def _convert_kernel(src_ptr, dst_ptr, BLOCK: tl.constexpr, UNPACK: tl.constexpr)
     tl.store(dst_ptr + offs, _to_f32(tl.load(src_ptr + offs), UNPACK))
 
 
-@gpu_only
+@pytest.mark.skipif(not CUDA or _INTERPRET_ON, reason="inline PTX, and a bit-exact bf16 conversion: the "
+                    "interpreter has no PTX and flushes bf16 subnormals")
 @pytest.mark.parametrize("unpack", [True, False])
 def test_bf16_statistics_conversion_keeps_every_bit_pattern_gpu(unpack):
     """The statistics tiles' bf16 -> fp32 conversion (the inline-asm unpack of two ids a register, and the plain
@@ -296,6 +298,36 @@ def test_bf16_statistics_conversion_keeps_every_bit_pattern_gpu(unpack):
     dst = torch.empty(src.shape, dtype=torch.float32, device=DEVICE)
     _convert_kernel[(src.numel() // 1024,)](src, dst, BLOCK=1024, UNPACK=unpack)
     assert torch.equal(dst.view(torch.int32), src.float().view(torch.int32))
+
+
+def test_unpack_rule_needs_a_bf16_tensor_and_a_16_divisible_vocabulary(monkeypatch):
+    import specdec.kernels.rejection_sampling as kernel
+
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    monkeypatch.setattr(kernel, "_INTERPRET", True)
+    assert not kernel._unpack(None, bf16, bf16, 32000) and not kernel._unpack(True, bf16, bf16, 32000)
+    monkeypatch.setattr(kernel, "_INTERPRET", False)
+    assert kernel._unpack(None, bf16, bf16, 32000) and kernel._unpack(None, bf16, bf16, 151936)
+    assert kernel._unpack(None, bf16, fp32, 32000) and kernel._unpack(None, fp32, bf16, 32000)  # either tensor
+    assert not kernel._unpack(None, fp16, fp16, 32000) and not kernel._unpack(None, fp32, fp32, 32000)
+    assert not kernel._unpack(None, bf16, bf16, 32001)  # rows not provably 16-byte aligned
+    assert kernel._unpack(True, bf16, bf16, 32001) and not kernel._unpack(False, bf16, bf16, 32000)
+    assert not kernel._unpack(True, fp32, fp16, 32000)  # no bf16 tile to unpack
+
+
+@gpu_only
+@pytest.mark.parametrize("target_dtype,draft_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                                                      (torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)])
+@pytest.mark.parametrize("unpack", [True, False])
+def test_target_and_draft_logits_of_different_dtypes_gpu(target_dtype, draft_dtype, unpack):
+    """Each logit tensor takes its own conversion (a bf16 verifier with fp32 draft logits after top-k / top-p
+    filtering is a real input): only the bf16 one goes through the unpack."""
+    for batch, num_drafts, vocab in [(1, 4, 32000), (64, 8, 32000), (7, 4, 8193)]:
+        target, draft, drafts, seeds, offsets = make_case(batch, num_drafts, vocab, seed=batch + vocab)
+        case = (target.to(target_dtype), draft.to(draft_dtype), drafts, seeds, offsets)
+        assert_matches_reference(*case, 1.0, strategies=("split",), tune=dict(unpack=unpack))
+        greedy_mask = torch.arange(batch, device=DEVICE) % 3 == 1
+        assert_matches_reference(*case, 0.7, strategies=("split",), tune=dict(unpack=unpack), greedy_mask=greedy_mask)
 
 
 @pytest.mark.parametrize("key", ["ftz", "fast_log", "fold_scale", "unpack"])
