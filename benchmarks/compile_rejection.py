@@ -88,6 +88,14 @@ def signature(kernel, constexprs: dict, logits: str) -> dict[str, str]:
     return types
 
 
+def aligned_attrs(kernel) -> dict:
+    """Triton's specialisation of the launcher's arguments at the benchmark's vocabularies (V = 32000, 128256,
+    151936): logit and statistics pointers, ``V`` and ``chunk`` divisible by 16 (16-byte vector loads)."""
+    names = kernel.arg_names
+    return {(names.index(name),): [["tt.divisibility", 16]]
+            for name in ("target_ptr", "draft_ptr", "stats_ptr", "V", "chunk") if name in names}
+
+
 def compile_variant(kernel, constexprs: dict, warps: int, logits: str) -> None:
     declared = {param.name for param in kernel.params if param.is_constexpr}
     missing = sorted(declared - set(constexprs))

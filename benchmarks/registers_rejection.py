@@ -30,12 +30,9 @@ PLANS = [(4096, True, 8), (4096, True, 16), (2048, True, 4), (1024, False, 4)]
 
 
 def registers(constexprs: dict, warps: int, logits: str, aligned: bool = True) -> int:
-    names = cr.rs._stats_kernel.arg_names
-    # aligned: pointers, V and chunk divisible by 16, as Triton specialises the launcher's arguments at the benchmark's
-    # vocabularies (32000, 128256, 151936); without it the tiles load as 16-bit / 32-bit scalars (session 20: the
-    # numbers before that session were of this unaligned variant)
-    attrs = {(names.index(name),): [["tt.divisibility", 16]]
-             for name in ("target_ptr", "draft_ptr", "stats_ptr", "V", "chunk")} if aligned else {}
+    # without the alignment the tiles load as 16-bit / 32-bit scalars (session 20: the numbers before that session
+    # were of this unaligned variant)
+    attrs = cr.aligned_attrs(cr.rs._stats_kernel) if aligned else {}
     source = triton.compiler.ASTSource(fn=cr.rs._stats_kernel,
                                        signature=cr.signature(cr.rs._stats_kernel, constexprs, logits),
                                        constexprs=constexprs, attrs=attrs)

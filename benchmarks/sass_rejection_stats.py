@@ -23,7 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from benchmarks.compile_rejection import ROW_FLAGS, STATS, signature  # noqa: E402
+from benchmarks.compile_rejection import ROW_FLAGS, STATS, aligned_attrs, signature  # noqa: E402
 from benchmarks.sass_divergence import LINE, disassemble, loops  # noqa: E402
 from kernels import rejection_sampling as rs  # noqa: E402
 
@@ -36,12 +36,8 @@ PLANS = {
 
 def compile_sass(extra: dict, warps: int) -> str:
     constexprs = dict(STATS, **ROW_FLAGS, **extra)
-    names = rs._stats_kernel.arg_names
-    # divisible by 16 as the launcher's arguments are at the benchmark's vocabularies (V = 32000, 128256, 151936)
-    attrs = {(names.index(name),): [["tt.divisibility", 16]]
-             for name in ("target_ptr", "draft_ptr", "stats_ptr", "V", "chunk")}
     source = triton.compiler.ASTSource(fn=rs._stats_kernel, signature=signature(rs._stats_kernel, constexprs, "*bf16"),
-                                       constexprs=constexprs, attrs=attrs)
+                                       constexprs=constexprs, attrs=aligned_attrs(rs._stats_kernel))
     return disassemble(triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)))
 
 

@@ -344,7 +344,7 @@ def _certainly_rejected(target_ptr, draft_ptr, draft_tokens_ptr, seeds_ptr, offs
 
 @triton.jit
 def _stats_loads(t_base, d_base, t_nx, d_nx, offs, lim, V, v_d, scale, BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
-                 EVICT: tl.constexpr, FOLD: tl.constexpr = False, UNPACK: tl.constexpr = False):
+                 EVICT: tl.constexpr, FOLD: tl.constexpr, UNPACK: tl.constexpr):
     """The statistics loops' tile at ``offs`` as scaled fp32 (target, draft; FOLD: unscaled, the caller folds the
     scale into its exponent) and, with PREFETCH, the next tile's loads issued (``t_nx`` / ``d_nx`` hold this tile,
     loaded by the previous call; ids from ``lim`` on load as ``-inf``, so ``lim = 0`` loads nothing). UNPACK (GPU):
@@ -377,8 +377,8 @@ def _lane_lse(m, s, x, c, FTZ: tl.constexpr):
 
 
 @triton.jit
-def _stats_tile(t, d, offs, m_t, s_t, m_d, s_d, am_v, am_i, g, V, FTZ: tl.constexpr, scale=1.0,
-                FOLD: tl.constexpr = False):
+def _stats_tile(t, d, offs, m_t, s_t, m_d, s_d, am_v, am_i, g, V, FTZ: tl.constexpr, scale,
+                FOLD: tl.constexpr):
     """One [R, 8] tile of the statistics loops: lane-wise online (max, sum exp) of target and draft and, for greedy
     rows, the running arg-max (lowest id of the largest target logit). FOLD (GPU): ``t``, ``d`` are the unscaled
     logits and the running maxima ``m_t``, ``m_d`` unscaled too (:func:`_stats_loop` scales them once at the end);
@@ -404,7 +404,7 @@ def _stats_tile(t, d, offs, m_t, s_t, m_d, s_d, am_v, am_i, g, V, FTZ: tl.conste
 @triton.jit
 def _stats_loop(t_base, d_base, t_nx, d_nx, lo, hi, V, v_d, scale, g, rows2, reject_ptr, j, K, BLOCK: tl.constexpr,
                 PREFETCH: tl.constexpr, FTZ: tl.constexpr, EVICT: tl.constexpr, LIVE: tl.constexpr,
-                FOLD: tl.constexpr = False, UNPACK: tl.constexpr = False):
+                FOLD: tl.constexpr, UNPACK: tl.constexpr):
     """The statistics kernel's loop over ``[lo, hi)``: lane-wise online log-sum-exp on ``[BLOCK // 8, 8]`` tiles (the
     axis-1 reductions stay inside a thread or a warp, so a tile needs no block-wide barrier; one exp per element plus
     one per 8 elements for the rescale) and, for greedy rows, the arg-max. PREFETCH: ``t_nx`` / ``d_nx`` hold the
@@ -1216,7 +1216,8 @@ def _l2_keep(setting: int | None, element_size: int, vocab: int, num_drafts: int
 
 def _fast_math(key: str, setting: bool | None) -> bool:
     """Whether an inline-PTX setting (``tune['ftz']``, ``tune['fast_log']``, and the exact ``tune['unpack']``) may be
-    used: None or True on the GPU, never in the interpreter (it has no PTX)."""
+    used: None or True on the GPU, never in the interpreter (it has no PTX). The rules built on it (``_fold_scale``,
+    ``_unpack``) decide what None means."""
     if setting is not None and not isinstance(setting, bool):
         raise ValueError(f"tune[{key!r}] must be None, True or False, got {setting!r}")
     return setting is not False and not _INTERPRET
@@ -1226,11 +1227,9 @@ def _fold_scale(setting: bool | None, element_size: int, batch: int) -> bool:
     """Whether the statistics loop folds the logit scale into its exponent (``tune['fold_scale']``, see
     :func:`_stats_tile`; only with ``ftz``). None (automatic): on the GPU for 16-bit logits with B <= 4
     (FOLD_MAX_BATCH; the measurements are there)."""
-    if setting is not None and not isinstance(setting, bool):
-        raise ValueError(f"tune['fold_scale'] must be None, True or False, got {setting!r}")
-    if setting is None:
-        return not _INTERPRET and element_size == 2 and batch <= FOLD_MAX_BATCH
-    return setting and not _INTERPRET
+    if not _fast_math("fold_scale", setting):
+        return False
+    return setting is True or (element_size == 2 and batch <= FOLD_MAX_BATCH)
 
 
 # Measured in one process, each setting twice, interleaved, every row exact, bf16, folded against not, with this code
