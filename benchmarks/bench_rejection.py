@@ -259,6 +259,14 @@ SWEEP = {
     "unpack_off_fold": dict(unpack=False, fold_scale=True),
     # session 20: 8 statistics warps where the automatic plan takes 16 (B (K + 1) >= 4 programs per SM)
     "stats_w8": dict(stats_warps=8),
+    # session 21: race programs per SM at B = 128 (the default 4 gives 5 programs a row at V = 32000, 640 programs:
+    # more than one wave of 4 per SM); race_prog1-4, 8 and 16 are above
+    **{f"race_prog{n}": dict(race_programs=n) for n in (6, 32)},
+    # session 21: wider race blocks (more bytes in flight per program while the stop row is re-read)
+    "race_t8w4": dict(race_tiles=8, race_warps=4),
+    "race_t8w4_prog2": dict(race_tiles=8, race_warps=4, race_programs=2),
+    "race_t8w8_prog2": dict(race_tiles=8, race_warps=8, race_programs=2),
+    "race_t16w8": dict(race_tiles=16, race_warps=8),
 }
 # Earlier sweeps (results/rejection_sweep_H200_v5..v9*.csv) also timed other settings; every row records its tune.
 SWEEP_SMALL = ("default", "stats_pf", "stats_nopf", "race_t4w4", "stats_prog8", "pdl0", "stats:default")
