@@ -8,7 +8,8 @@ and in ``omega`` (``K_i``: task i's mean CE on the minibatch, ``N_i`` its token 
 * ``"scdf"``: ``batch_size_per_task`` windows of every task; ``omega_n = w_i / N_i`` with corrective weights
   ``w_i = v_i - min_j v_j + weight_floor`` computed on ``weight_basis`` v in {CE, KL, TV} (see :mod:`specdec.losses`).
 * ``"exact_variance"``: the same with ``w_i = v_i - vbar``, i.e. gradient descent on U itself (levels down).
-* ``"balanced"``: equal task sampling, ``w_i = 1`` (the mean of the per-task means).
+* ``"balanced"``: equal task sampling, ``w_i = 1`` (the sum of the per-task means, m times their mean: the logged
+  loss and the gradient are m times those of a mean).
 * ``"uniform_kd"``: DistillSpec-style KD on the natural mixture: ``batch_size_per_task * m`` windows drawn uniformly
   from the pooled texts, ``omega_n = 1 / N``.
 

@@ -30,24 +30,53 @@ import torch
 WEIGHT_METHODS = ("scdf", "exact_variance", "uniform")
 
 
-def _as_task_vector(values: torch.Tensor | Sequence[float], name: str) -> torch.Tensor:
+def _as_task_vector(values: torch.Tensor | Sequence[float], name: str, present: torch.Tensor | None = None,
+                    like: torch.Tensor | None = None) -> torch.Tensor:
+    """``values`` as a 1-D float tensor [m]; a sequence of tensors is stacked (its graph kept), a sequence of numbers
+    becomes a constant. Entries must be finite where ``present`` ([m] bool, default all) is True."""
     if isinstance(values, torch.Tensor):
         tensor = values
     elif isinstance(values, Sequence) and not isinstance(values, (str, bytes)):
-        try:
-            tensor = torch.tensor([float(v) for v in values], dtype=torch.float32)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"{name} must be a 1-D tensor or a sequence of numbers, got {values!r}") from exc
+        if values and all(isinstance(v, torch.Tensor) for v in values):
+            if any(v.numel() != 1 for v in values):
+                raise ValueError(f"{name}: a sequence of tensors must hold one value per task, got shapes "
+                                 f"{[tuple(v.shape) for v in values]}")
+            tensor = torch.stack([v.reshape(()) for v in values])  # keeps each task's graph
+        else:
+            try:
+                tensor = torch.tensor([float(v) for v in values], dtype=torch.float32)
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"{name} must be a 1-D tensor or a sequence of numbers, got {values!r}") from exc
     else:
         raise TypeError(f"{name} must be a 1-D tensor [m] or a sequence of floats, got {type(values).__name__}")
     if tensor.dim() != 1 or tensor.numel() == 0:
         raise ValueError(f"{name} must be a non-empty 1-D tensor [m] (one value per task), "
                          f"got shape {tuple(tensor.shape)}")
+    if like is not None and tensor.shape != like.shape:
+        raise ValueError(f"{name} must have shape {tuple(like.shape)} like task_losses, got {tuple(tensor.shape)}")
     if not tensor.dtype.is_floating_point:
         tensor = tensor.float()
-    if not bool(torch.isfinite(tensor.detach()).all()):
-        raise ValueError(f"{name} must be finite, got {tensor.detach().tolist()}")
+    finite = torch.isfinite(tensor.detach())
+    if present is not None:
+        finite = finite | ~_check_present(present, tensor.shape[0]).to(finite.device)
+    if not bool(finite.all()):
+        raise ValueError(f"{name} must be finite{' for every present task' if present is not None else ''}, got "
+                         f"{tensor.detach().tolist()} (per_task_mean gives NaN for a task with no tokens: pass "
+                         f"present=counts > 0 to leave such tasks out)")
     return tensor
+
+
+def _check_present(present: torch.Tensor | None, num_tasks: int) -> torch.Tensor | None:
+    if present is None:
+        return None
+    if not isinstance(present, torch.Tensor) or present.dtype != torch.bool:
+        raise TypeError(f"present must be a bool tensor [m], got "
+                        f"{present.dtype if isinstance(present, torch.Tensor) else type(present).__name__}")
+    if present.shape != (num_tasks,):
+        raise ValueError(f"present must have shape [m] = ({num_tasks},), got {tuple(present.shape)}")
+    if not bool(present.any()):
+        raise ValueError("present must mark at least one task")
+    return present
 
 
 def _check_floor(floor: float) -> float:
@@ -59,7 +88,7 @@ def _check_floor(floor: float) -> float:
 
 
 def scdf_weights(per_task_values: torch.Tensor | Sequence[float], method: str = "scdf", floor: float = 0.0,
-                 normalize: bool = False) -> torch.Tensor:
+                 normalize: bool = False, present: torch.Tensor | None = None) -> torch.Tensor:
     """Per-task weights of the s-CDF objective, detached from the graph.
 
     Args:
@@ -69,6 +98,9 @@ def scdf_weights(per_task_values: torch.Tensor | Sequence[float], method: str = 
         floor: >= 0, added to the corrective weights so the best task keeps a small pull toward the verifier (used by
             ``"scdf"`` only).
         normalize: divide by ``sum_i |w_i|`` (when positive) so the loss scale does not shrink as the gaps close.
+        present: optional [m] bool, the tasks seen in the minibatch (e.g. ``counts > 0``); the others get weight 0
+            and are left out of the minimum / mean (their values may be NaN, as :func:`per_task_mean` gives them).
+            Default: every task, and every value must be finite.
 
     Returns:
         [m] float32 tensor on the device of ``per_task_values``, ``requires_grad=False``.
@@ -76,13 +108,20 @@ def scdf_weights(per_task_values: torch.Tensor | Sequence[float], method: str = 
     if method not in WEIGHT_METHODS:
         raise ValueError(f"method must be one of {WEIGHT_METHODS}, got {method!r}")
     floor = _check_floor(floor)
-    values = _as_task_vector(per_task_values, "per_task_values").detach().float()
+    values = _as_task_vector(per_task_values, "per_task_values", present).detach().float()
+    if present is not None:
+        present = present.to(values.device)
+        seen = values[present]
+    else:
+        seen = values
     if method == "scdf":
-        weights = values - values.min() + floor
+        weights = values - seen.min() + floor
     elif method == "exact_variance":
-        weights = values - values.mean()
+        weights = values - seen.mean()
     else:
         weights = torch.ones_like(values)
+    if present is not None:
+        weights = torch.where(present, weights, torch.zeros_like(weights))
     if normalize:
         total = weights.abs().sum()
         if float(total) > 0:
@@ -97,28 +136,32 @@ class ScdfLoss(NamedTuple):
     weights: torch.Tensor
 
 
-def scdf_loss(task_losses: torch.Tensor, weight_values: torch.Tensor | Sequence[float] | None = None, *,
-              method: str = "scdf", floor: float = 0.0, normalize: bool = False) -> ScdfLoss:
+def scdf_loss(task_losses: torch.Tensor | Sequence[torch.Tensor],
+              weight_values: torch.Tensor | Sequence[float] | None = None, *, method: str = "scdf",
+              floor: float = 0.0, normalize: bool = False, present: torch.Tensor | None = None) -> ScdfLoss:
     """The s-CDF objective ``L = sum_i w_i K_i`` on per-task minibatch estimates.
 
     Args:
         task_losses: [m] float tensor of per-task mean cross-entropies ``K_i`` carrying gradients w.r.t. the drafter
-            (e.g. from :func:`per_task_mean`).
+            (e.g. from :func:`per_task_mean`), or a sequence of m 0-dim tensors (stacked; their graphs are kept).
         weight_values: [m] values the weights are computed from (default: ``task_losses`` itself, i.e. the CE basis);
             pass per-task KL or TV for the other bases. Always detached.
-        method, floor, normalize: see :func:`scdf_weights`.
+        method, floor, normalize, present: see :func:`scdf_weights`. With ``present`` the tasks left out add
+            nothing to the loss (their ``K_i`` may be NaN).
 
     Returns:
         :class:`ScdfLoss` with ``loss`` = ``sum_i w_i K_i`` (0-dim) and ``weights`` [m]. With
         ``method="exact_variance"`` and the CE basis, ``grad loss = (m/2) grad U``.
     """
-    task_losses = _as_task_vector(task_losses, "task_losses")
-    basis = task_losses if weight_values is None else _as_task_vector(weight_values, "weight_values")
-    if basis.shape != task_losses.shape:
-        raise ValueError(f"weight_values must have shape {tuple(task_losses.shape)} like task_losses, "
-                         f"got {tuple(basis.shape)}")
-    weights = scdf_weights(basis, method=method, floor=floor, normalize=normalize).to(task_losses.device)
-    return ScdfLoss((weights.to(task_losses.dtype) * task_losses).sum(), weights)
+    task_losses = _as_task_vector(task_losses, "task_losses", present)
+    basis = task_losses if weight_values is None else _as_task_vector(weight_values, "weight_values", present,
+                                                                      like=task_losses)
+    weights = scdf_weights(basis, method=method, floor=floor, normalize=normalize,
+                           present=present).to(task_losses.device)
+    terms = weights.to(task_losses.dtype) * task_losses
+    if present is not None:  # 0 * NaN is NaN: leave the absent tasks out explicitly (no gradient reaches them)
+        terms = torch.where(present.to(terms.device), terms, torch.zeros_like(terms))
+    return ScdfLoss(terms.sum(), weights)
 
 
 def per_task_mean(values: torch.Tensor, task_ids: torch.Tensor, num_tasks: int) -> torch.Tensor:
@@ -129,7 +172,8 @@ def per_task_mean(values: torch.Tensor, task_ids: torch.Tensor, num_tasks: int) 
         task_ids: [N] int64 task index of each token, in ``[0, num_tasks)``.
         num_tasks: m.
     Returns:
-        [m] float32: ``sum_{n: t_n = i} values_n / #{n: t_n = i}`` (0 for a task with no tokens).
+        [m] float32: ``sum_{n: t_n = i} values_n / #{n: t_n = i}``; NaN for a task with no tokens (a 0 there would
+        pass for a perfect task and shift the s-CDF weights: give :func:`scdf_loss` ``present=counts > 0``).
     """
     for name, tensor in (("values", values), ("task_ids", task_ids)):
         if not isinstance(tensor, torch.Tensor):
@@ -140,7 +184,8 @@ def per_task_mean(values: torch.Tensor, task_ids: torch.Tensor, num_tasks: int) 
     _check_task_ids(task_ids, num_tasks)
     sums = torch.zeros(num_tasks, dtype=torch.float32, device=values.device).index_add(0, task_ids, values.float())
     counts = torch.bincount(task_ids, minlength=num_tasks).to(sums.dtype)
-    return sums / counts.clamp_min(1)
+    means = sums / counts.clamp_min(1)
+    return torch.where(counts > 0, means, torch.full_like(means, float("nan")))
 
 
 def token_weights(task_ids: torch.Tensor, task_weights: torch.Tensor, task_counts: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from ._validation import check_logit_rows, check_temperature, check_tensor
+
 TensorOrFloat = torch.Tensor | float
 
 
@@ -62,7 +64,8 @@ def speedup(alpha: TensorOrFloat, num_draft_tokens: int, cost_ratio: float) -> T
 
     cost_ratio: c = t_drafter / t_verifier >= 0 (time of one drafter forward over one verifier forward).
     """
-    if not (isinstance(cost_ratio, (int, float)) and math.isfinite(cost_ratio) and cost_ratio >= 0):
+    if isinstance(cost_ratio, bool) or not (
+            isinstance(cost_ratio, (int, float)) and math.isfinite(cost_ratio) and cost_ratio >= 0):
         raise ValueError(f"cost_ratio must be a finite number >= 0, got {cost_ratio!r}")
     return expected_tokens_per_call(alpha, num_draft_tokens) / (num_draft_tokens * cost_ratio + 1.0)
 
@@ -85,19 +88,34 @@ def accepted_count_distribution(position_alpha: torch.Tensor) -> torch.Tensor:
 
 def acceptance_from_logits(target_logits: torch.Tensor, draft_logits: torch.Tensor,
                            temperature: float = 1.0) -> torch.Tensor:
-    """alpha = sum_x min(p(x), q(x)) per position, from [..., V] logits at the same temperature. Returns [...] fp32."""
-    if target_logits.shape != draft_logits.shape:
+    """alpha = sum_x min(p(x), q(x)) per position, from [..., V] logits at the same temperature T > 0.
+
+    target_logits, draft_logits: [..., V] float tensors (fp32 / fp16 / bf16 / fp64), finite or ``-inf`` (masked out),
+    each row with at least one finite entry. Returns [...] fp32 in [0, 1] (the float32 sum can land a few ulps above
+    1 when p = q; it is clamped, so the result can be passed to :func:`speedup`).
+    """
+    check_tensor(target_logits, "target_logits", float_dtype=True, shape_doc="[..., V]")
+    check_tensor(draft_logits, "draft_logits", float_dtype=True, shape_doc="[..., V]")
+    if target_logits.shape != draft_logits.shape or target_logits.dim() < 1:
         raise ValueError(f"target_logits {tuple(target_logits.shape)} and draft_logits "
                          f"{tuple(draft_logits.shape)} must have the same shape [..., V]")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0 for acceptance probabilities, got {temperature}")
+    temperature = check_temperature(temperature, allow_zero=False)
+    check_logit_rows(target_logits, "target_logits")
+    check_logit_rows(draft_logits, "draft_logits")
     log_p = torch.log_softmax(target_logits.float() / temperature, dim=-1)
     log_q = torch.log_softmax(draft_logits.float() / temperature, dim=-1)
-    return torch.minimum(log_p, log_q).exp().sum(dim=-1)
+    return torch.minimum(log_p, log_q).exp().sum(dim=-1).clamp_(0.0, 1.0)
 
 
 def speedup_lower_bounds(tv: float, kl: float, num_draft_tokens: int, cost_ratio: float) -> tuple[float, float]:
-    """The DESIGN bounds S_T >= S(1 - TV_T) >= S(max(0, 1 - sqrt(D_T / 2))) (Jensen, then Pinsker)."""
+    """The DESIGN bounds S_T >= S(1 - TV_T) >= S(max(0, 1 - sqrt(D_T / 2))) (Jensen, then Pinsker).
+
+    tv: TV_T in [0, 1]; kl: D_T >= 0 (``inf`` allowed: the Pinsker bound is then S(0)). Returns the two bounds."""
+    for name, value, high in (("tv", tv, 1.0), ("kl", kl, float("inf"))):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+        if not 0.0 <= value <= high:  # (False for NaN)
+            raise ValueError(f"{name} must lie in [0, {high:g}], got {value}")
     from_tv = float(speedup(min(max(1.0 - tv, 0.0), 1.0), num_draft_tokens, cost_ratio))
     from_kl = float(speedup(min(max(1.0 - math.sqrt(max(kl, 0.0) / 2.0), 0.0), 1.0), num_draft_tokens, cost_ratio))
     return from_tv, from_kl

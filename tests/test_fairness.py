@@ -15,6 +15,7 @@ from specdec.fairness import (
     TaskData,
     TaskFairness,
     _check_bounds,
+    divergences_from_logits,
     evaluate,
     spearman,
     task_divergences,
@@ -82,15 +83,23 @@ def test_per_task_metrics_match_definitions(models):
     for row in report.tasks:
         texts = tasks[row.name].texts
         # alpha_T recomputed directly: every prefix of every text, one text at a time
-        alphas = []
+        alphas, ces, kls, entropies = [], [], [], []
         for t in texts:
             ids = torch.tensor([t])
             with torch.no_grad():
                 lv, ld = verifier(input_ids=ids).logits[0, :-1], drafter(input_ids=ids).logits[0, :-1]
             alphas.append(acceptance_from_logits(lv, ld))
+            log_p, log_q = torch.log_softmax(lv.double(), -1), torch.log_softmax(ld.double(), -1)
+            ces.append(-(log_p.exp() * log_q).sum(-1))
+            kls.append((log_p.exp() * (log_p - log_q)).sum(-1))
+            entropies.append(-(log_p.exp() * log_p).sum(-1))
         alpha = torch.cat(alphas).double().mean().item()
         assert row.num_tokens == sum(len(t) - 1 for t in texts)
         assert row.alpha == pytest.approx(alpha, abs=1e-5)
+        # K_T, D_T and H_T(p) against float64 sums written out here (not through the library's divergences)
+        assert row.cross_entropy == pytest.approx(torch.cat(ces).mean().item(), abs=1e-4)
+        assert row.kl == pytest.approx(torch.cat(kls).mean().item(), abs=1e-4)
+        assert row.entropy == pytest.approx(torch.cat(entropies).mean().item(), abs=1e-4)
         assert row.alpha == pytest.approx(1 - row.tv, abs=1e-5)
         assert row.cross_entropy == pytest.approx(row.entropy + row.kl, abs=1e-5)
         assert row.speedup == pytest.approx(float(speedup(row.alpha, 3, 0.2)), rel=1e-6)
@@ -162,12 +171,31 @@ def test_greedy_and_text_only_and_prompt_only(models):
         assert row.alpha_measured is None and row.num_prompts == 0
         assert 0.0 <= row.alpha <= 1.0
     assert report.summary["bounds_checked"] is False
+    # TV_T and D_T are taken at T = 1 when greedy: no bound on the greedy S_T is claimed or printed
+    assert all(row.bound_tv is None and row.bound_pinsker is None for row in report.tasks)
+    markdown = report.to_markdown()
+    assert "bounds checked: not checked" in markdown and "all hold" not in markdown and "S Pinsker" not in markdown
     prompts_only = evaluate(verifier, drafter, {"a": {"prompts": tasks["a"].prompts}}, cost_ratio=0.1,
                             max_new_tokens=3, progress=False)
     assert prompts_only.tasks[0].alpha is None and prompts_only.tasks[0].alpha_measured is not None
     assert "U_ce" not in prompts_only.summary
     divs = task_divergences(verifier, drafter, {"a": tasks["a"].texts}, batch_size=2)
     assert divs["a"].num_tokens == report.task("a").num_tokens
+
+
+def test_verifier_entropy_is_finite_where_the_drafter_gives_a_token_probability_zero():
+    # a -inf drafter logit on a token the verifier can emit (top-k / top-p filtering): H(p, q) = KL = +inf, but
+    # H(p) is finite; computed as H(p, q) - KL it would be NaN
+    generator = torch.Generator().manual_seed(3)
+    verifier_logits = torch.randn(3, 12, generator=generator, dtype=torch.float64)
+    drafter_logits = torch.randn(3, 12, generator=generator, dtype=torch.float64)
+    drafter_logits[0, :4] = float("-inf")
+    out = divergences_from_logits(verifier_logits.float(), drafter_logits.float(), torch.zeros(3, dtype=torch.int64),
+                                  temperature=0.8, backend="torch")
+    p = torch.softmax(verifier_logits / 0.8, -1)
+    expected = -(p * p.log()).sum(-1)
+    assert math.isinf(float(out.cross_entropy[0])) and math.isinf(float(out.kl[0]))
+    torch.testing.assert_close(out.entropy.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_bound_violations_are_recorded_not_raised():

@@ -79,13 +79,21 @@ def test_baselines_run(method):
 
 
 def test_scdf_weights_follow_the_basis():
-    verifier, drafter = make_pair()
-    seen = []
-    finetune_drafter(drafter, verifier, make_tasks(), method="scdf", weight_basis="kl", weight_floor=0.25,
-                     callback=lambda step, info: seen.append(info), **{**SMALL, "steps": 2})
-    for info in seen:
-        values, weights = info["task_values"], info["weights"]
-        assert weights == pytest.approx([v - min(values) + 0.25 for v in values], rel=1e-5)
+    # the same first minibatch (same seed, same initial drafter) under the three bases: per task KL = CE - H(p) with
+    # H(p) > 0, and TV in [0, 1]; the weights are the corrective formula on the basis's own values
+    first = {}
+    for basis in ("ce", "kl", "tv"):
+        verifier, drafter = make_pair()
+        seen = []
+        finetune_drafter(drafter, verifier, make_tasks(), method="scdf", weight_basis=basis, weight_floor=0.25,
+                         callback=lambda step, info, seen=seen: seen.append(info), **{**SMALL, "steps": 2})
+        for info in seen:
+            values, weights = info["task_values"], info["weights"]
+            assert weights == pytest.approx([v - min(values) + 0.25 for v in values], rel=1e-5)
+        first[basis] = seen[0]["task_values"]
+    ce, kl, tv = (torch.tensor(first[b], dtype=torch.float64) for b in ("ce", "kl", "tv"))
+    assert bool((kl >= 0).all()) and bool((kl < ce - 1e-3).all())
+    assert bool((tv >= 0).all()) and bool((tv <= 1).all()) and not torch.allclose(tv, kl)
 
 
 def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):

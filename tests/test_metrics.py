@@ -29,6 +29,12 @@ def test_speedup_is_increasing_in_alpha_and_divides_by_cost():
         metrics.speedup(1.5, 4, 0.1)
     with pytest.raises(ValueError, match="num_draft_tokens"):
         metrics.expected_tokens_per_call(0.5, 0)
+    with pytest.raises(ValueError, match="cost_ratio"):
+        metrics.speedup(0.5, 4, True)
+    with pytest.raises(ValueError, match="tv must lie"):
+        metrics.speedup_lower_bounds(float("nan"), 0.1, 4, 0.1)
+    with pytest.raises(ValueError, match="kl must lie"):
+        metrics.speedup_lower_bounds(0.2, -0.1, 4, 0.1)
 
 
 def test_accepted_count_distribution_sums_to_one_and_has_the_right_mean():
@@ -46,6 +52,31 @@ def test_acceptance_from_logits_is_one_minus_total_variation():
     p, q = torch.softmax(target, -1), torch.softmax(draft, -1)
     expected = 1 - 0.5 * (p - q).abs().sum(-1)
     assert torch.allclose(metrics.acceptance_from_logits(target, draft), expected, atol=1e-6)
+
+
+def test_acceptance_from_logits_of_equal_logits_feeds_the_speedup():
+    # p = q: the float32 sum of min(p, q) over 1000 ids lands a few ulps above 1 in some rows unless clamped, and
+    # speedup() refuses alpha > 1
+    logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0)) * 3
+    alpha = metrics.acceptance_from_logits(logits, logits)
+    assert float(alpha.max()) <= 1.0 and float(alpha.min()) > 1 - 1e-5
+    assert torch.allclose(metrics.speedup(alpha, 4, 0.0), torch.full((64,), 5.0), atol=1e-4)
+
+
+def test_acceptance_from_logits_refuses_bad_input():
+    logits = torch.randn(3, 10)
+    with pytest.raises(ValueError, match="temperature"):
+        metrics.acceptance_from_logits(logits, logits, temperature=1e-40)
+    with pytest.raises(TypeError, match="temperature"):
+        metrics.acceptance_from_logits(logits, logits, temperature="1")
+    with pytest.raises(TypeError, match="target_logits"):
+        metrics.acceptance_from_logits(logits.tolist(), logits)
+    nan_row = logits.clone()
+    nan_row[0, 3] = float("nan")
+    with pytest.raises(ValueError, match="draft_logits contains NaN"):
+        metrics.acceptance_from_logits(logits, nan_row)
+    with pytest.raises(ValueError, match="same shape"):
+        metrics.acceptance_from_logits(logits, logits[:, :5])
 
 
 def test_bounds_hold_and_are_ordered():

@@ -183,6 +183,44 @@ def test_scdf_loss_basis_and_token_weights():
     assert torch.allclose((tw * ce).sum(), out.loss)
 
 
+def test_a_task_missing_from_the_minibatch_is_left_out_of_the_weights():
+    # tasks 0 and 1 have tokens, task 2 none: its mean is NaN (a 0 would pass for the best task and give every
+    # present task weight K_i instead of K_i - min over the present tasks)
+    ce = torch.tensor([1.0, 2.0, 4.0, 0.5], requires_grad=True)
+    task_ids = torch.tensor([0, 0, 1, 1])
+    k = per_task_mean(ce, task_ids, 3)
+    assert torch.allclose(k[:2], torch.tensor([1.5, 2.25])) and bool(torch.isnan(k[2]))
+    with pytest.raises(ValueError, match="present=counts > 0"):
+        scdf_loss(k)
+    present = torch.bincount(task_ids, minlength=3) > 0
+    for method, expected in (("scdf", [0.0, 0.75, 0.0]), ("exact_variance", [-0.375, 0.375, 0.0]),
+                             ("uniform", [1.0, 1.0, 0.0])):
+        out = scdf_loss(k, method=method, present=present)
+        assert torch.allclose(out.weights, torch.tensor(expected)), method
+        assert torch.allclose(out.loss, (out.weights[:2] * k[:2]).sum())
+        (grad,) = torch.autograd.grad(out.loss, ce, retain_graph=True)
+        assert bool(torch.isfinite(grad).all())
+        # d loss / d ce_n = w_{t_n} / count_{t_n}
+        assert torch.allclose(grad, out.weights[task_ids] / 2)
+    assert torch.allclose(scdf_weights(k, present=present, normalize=True), torch.tensor([0.0, 1.0, 0.0]))
+    with pytest.raises(ValueError, match="present must have shape"):
+        scdf_loss(k, present=present[:2])
+    with pytest.raises(TypeError, match="present must be a bool tensor"):
+        scdf_loss(k, present=present.int())
+    with pytest.raises(ValueError, match="at least one task"):
+        scdf_loss(k, present=torch.zeros(3, dtype=torch.bool))
+
+
+def test_scdf_loss_keeps_the_graph_of_a_list_of_task_losses():
+    drafter_param = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    task_losses = [drafter_param[0] * 2, drafter_param[1] ** 2, drafter_param[2] + 1]  # K = 2, 4, 4
+    out = scdf_loss(task_losses)
+    assert out.loss.requires_grad
+    (grad,) = torch.autograd.grad(out.loss, drafter_param)
+    assert torch.allclose(out.weights, torch.tensor([0.0, 2.0, 2.0]))
+    assert torch.allclose(grad, torch.tensor([0.0, 2.0 * 2 * 2.0, 2.0]))
+
+
 @pytest.mark.parametrize(("kwargs", "error", "needle"), [
     (dict(per_task_values=[1.0, 2.0], method="bogus"), ValueError, "method"),
     (dict(per_task_values=[1.0, 2.0], floor=-1.0), ValueError, "floor"),
