@@ -26,15 +26,21 @@ def load_models(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.nn.Mod
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    verifier = AutoModelForCausalLM.from_pretrained(args.verifier, dtype=dtype).to(device).eval()
-    drafter = AutoModelForCausalLM.from_pretrained(args.drafter, dtype=dtype).to(device).eval()
-    if args.tokenizer == "char":
-        from specdec.data import build_char_tokenizer
+    # local folders or the local Hugging Face cache only: nothing is downloaded at run time
+    try:
+        verifier = AutoModelForCausalLM.from_pretrained(args.verifier, dtype=dtype, local_files_only=True)
+        drafter = AutoModelForCausalLM.from_pretrained(args.drafter, dtype=dtype, local_files_only=True)
+        if args.tokenizer == "char":
+            from specdec.data import build_char_tokenizer
 
-        tokenizer = build_char_tokenizer()
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.verifier)
-    return verifier, drafter, tokenizer
+            tokenizer = build_char_tokenizer()
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.verifier, local_files_only=True)
+    except OSError as exc:
+        raise SystemExit(f"could not load the models or tokenizer from local files ({exc}); pass local folders "
+                         "(e.g. the demo's: specdec demo prints where it keeps them) or ids already in the "
+                         "Hugging Face cache") from None
+    return verifier.to(device).eval(), drafter.to(device).eval(), tokenizer
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

@@ -56,10 +56,14 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"unknown --methods {unknown}; choose from none,{','.join(METHODS)}")
     tasks = load_tasks(args.data)
     if args.tasks:
-        tasks = {name: tasks[name] for name in args.tasks.split(",")}
-    held_out = {n: TaskData(prompts=t.prompts[:args.eval_examples], texts=t.texts[:args.eval_examples])
-                for n, t in tasks.items()}
-    train = {n: t.texts[args.eval_examples:][:args.max_examples] for n, t in tasks.items()}
+        wanted = args.tasks.split(",")
+        missing = [name for name in wanted if name not in tasks]
+        if missing:
+            parser.error(f"--tasks {missing} not in the data; it has {sorted(tasks)}")
+        tasks = {name: tasks[name] for name in wanted}
+    held_out = {n: TaskData(prompts=(t.prompts or [])[:args.eval_examples] or None,
+                            texts=(t.texts or [])[:args.eval_examples] or None) for n, t in tasks.items()}
+    train = {n: (t.texts or [])[args.eval_examples:][:args.max_examples] for n, t in tasks.items()}
     empty = [n for n, texts in train.items() if not texts]
     if empty:
         parser.error(f"tasks {empty} have no training rows left after --eval-examples={args.eval_examples}")

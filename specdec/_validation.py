@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -56,11 +58,11 @@ def check_int_range(value: object, name: str, low: int, high: int, *, allow_none
     """``value`` if it is an int (not a bool) in ``[low, high)``, else ValueError naming ``name`` and the range."""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= int(value) < high:
         bound = "2**64" if high == 2**64 else str(high)
         raise ValueError(f"{name} must be {'None or ' if allow_none else ''}an int in [{low}, {bound}){note}, "
                          f"got {value!r}")
-    return value
+    return int(value)
 
 
 MIN_TEMPERATURE = 1e-6  # below this 1 / T times a logit can overflow float32; use 0 (greedy) instead

@@ -19,6 +19,7 @@ returns ``dict[task name, TaskData]``.
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 import zlib
@@ -177,8 +178,8 @@ def generate_examples(task: str, num_examples: int, *, seed: int = 0, split: str
     """``num_examples`` deterministic examples of one built-in task; ``split`` selects an independent stream."""
     if task not in TASK_GENERATORS:
         raise ValueError(f"unknown built-in task {task!r}; available: {', '.join(TASK_NAMES)}")
-    if num_examples < 0:
-        raise ValueError(f"num_examples must be >= 0, got {num_examples}")
+    if isinstance(num_examples, bool) or not isinstance(num_examples, int) or num_examples < 0:
+        raise ValueError(f"num_examples must be an int >= 0, got {num_examples!r}")
     rng = _task_rng(seed, task, split)
     generator = TASK_GENERATORS[task]
     return [Example(task, *generator(rng)) for _ in range(num_examples)]
@@ -188,6 +189,8 @@ def synthetic_task_suite(
     num_examples: int = 32, *, seed: int = 0, split: str = "eval", tasks: Iterable[str] | None = None
 ) -> dict[str, list[Example]]:
     """``num_examples`` examples of every built-in task (or of ``tasks``), keyed by task name."""
+    if isinstance(tasks, str):
+        raise TypeError(f"tasks must be a list of task names, got the string {tasks!r} (use [{tasks!r}])")
     names = list(tasks) if tasks is not None else list(TASK_NAMES)
     return {name: generate_examples(name, num_examples, seed=seed, split=split) for name in names}
 
@@ -211,8 +214,11 @@ def sample_mixture(
     unknown = sorted(set(weights) - set(TASK_GENERATORS))
     if unknown:
         raise ValueError(f"unknown built-in task(s) {unknown}; available: {', '.join(TASK_NAMES)}")
-    if any(w < 0 for w in weights.values()) or sum(weights.values()) <= 0:
-        raise ValueError(f"weights must be non-negative with a positive sum, got {dict(weights)}")
+    if isinstance(num_examples, bool) or not isinstance(num_examples, int) or num_examples < 0:
+        raise ValueError(f"num_examples must be an int >= 0, got {num_examples!r}")
+    if any(isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0
+           for w in weights.values()) or sum(weights.values()) <= 0:
+        raise ValueError(f"weights must be finite non-negative numbers with a positive sum, got {dict(weights)}")
     total = sum(weights.values())
     exact = {name: num_examples * w / total for name, w in weights.items()}
     counts = {name: int(value) for name, value in exact.items()}
@@ -339,6 +345,10 @@ def load_jsonl_tasks(path: str | Path, task: str | None = None) -> dict[str, Tas
                 try:
                     rows.append((f"{path}:{line_number}", json.loads(line)))
                 except json.JSONDecodeError as error:
+                    if _is_one_json_object(content):
+                        raise TaskFileError(f"{path}: holds one JSON object spread over several lines; expected a "
+                                            "list of objects ([{...}, ...]) or one object per line (JSON lines)"
+                                            ) from None
                     raise TaskFileError(f"{path}:{line_number}: not valid JSON ({error.msg})") from None
     named = bool(rows) and isinstance(rows[0][1], dict) and "task" in rows[0][1]  # the first row decides
     tasks: dict[str, TaskTexts] = {}
@@ -477,6 +487,13 @@ def load_language_folder(path: str | Path) -> dict[str, TaskTexts]:
     return tasks
 
 
+def _is_one_json_object(content: str) -> bool:
+    try:
+        return isinstance(json.loads(content), dict)
+    except json.JSONDecodeError:
+        return False
+
+
 def load_tasks(path: str | Path, *, max_examples: int | None = None, as_task_data: bool = True) -> dict[str, Any]:
     """Load user tasks from a ``.jsonl`` / ``.json`` file (:func:`load_jsonl_tasks`), a ``.tsv`` file
     (:func:`load_tsv_tasks`), a ``.txt`` file (TSV when it has tabs, else :func:`load_text_lines`), or a folder with
@@ -490,8 +507,8 @@ def load_tasks(path: str | Path, *, max_examples: int | None = None, as_task_dat
     _require_existing(path)
     tasks = load_language_folder(path) if path.is_dir() else _load_file(path)
     if max_examples is not None:
-        if max_examples < 1:
-            raise ValueError(f"max_examples must be >= 1, got {max_examples}")
+        if isinstance(max_examples, bool) or not isinstance(max_examples, int) or max_examples < 1:
+            raise ValueError(f"max_examples must be None or an int >= 1, got {max_examples!r}")
         tasks = {name: TaskTexts(entry.prompts[:max_examples], entry.texts[:max_examples])
                  for name, entry in tasks.items()}
     if not as_task_data:
@@ -514,7 +531,7 @@ def read_prompts_file(path: str | Path) -> list[str]:
     if path.is_dir():
         raise TaskFileError(f"{path} is a folder; expected a file of prompts")
     prompts: list[str] = []
-    with path.open(encoding="utf-8") as handle:
+    with path.open(encoding="utf-8-sig") as handle:  # (a byte-order mark is not part of the first prompt)
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue

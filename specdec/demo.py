@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -25,7 +26,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -193,6 +194,32 @@ def resolve_output_dir(output_dir: str | os.PathLike | None, cache_dir: Path) ->
             return moved, (f"the current folder is inside the specdec source tree ({folder}); writing the report to "
                            f"{moved} instead (choose another with --output-dir)")
     return target, None
+
+
+@contextlib.contextmanager
+def _transformers_progress_bars(enabled: bool) -> Iterator[None]:
+    """transformers' own progress bars (weights loading / saving) off inside the block unless ``enabled``."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if not enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled and not enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _check_writable_folder(path: Path) -> None:
+    """DemoError naming ``--output-dir`` when ``path`` cannot become a folder the report is written into."""
+    if path.exists() and not path.is_dir():
+        raise DemoError(f"--output-dir {path} exists and is not a folder")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise DemoError(f"--output-dir {path} cannot be created or written ({parent} is not a writable folder)")
 
 
 def _check_cache_dir(cache_dir: Path) -> Path:
@@ -537,6 +564,7 @@ def run_demo(
     started = time.perf_counter()
     cache_root = _check_cache_dir(Path(cache_dir) if cache_dir is not None else default_cache_dir())
     out_dir, note = resolve_output_dir(output_dir, cache_root)
+    _check_writable_folder(out_dir)  # before minutes of training, not after
     if note:
         say(f"note: {note}")
     settings = default_settings(quick)
@@ -548,11 +576,13 @@ def run_demo(
         raise DemoError(f"cost_ratio must be a finite number >= 0, got {cost_ratio}")
 
     config = default_pair_config(seed=seed, quick=quick)
-    pair = get_demo_pair(cache_root, config=config, retrain=retrain, progress=progress)
+    with _transformers_progress_bars(progress):  # its own bars when it loads and saves weights
+        pair = get_demo_pair(cache_root, config=config, retrain=retrain, progress=progress)
     timings["pair_seconds"] = time.perf_counter() - started
     info = pair.info
     say(f"demo pair: verifier {info['verifier_parameters']:,} parameters, drafter {info['drafter_parameters']:,} "
         f"parameters ({'loaded from cache' if pair.cache_hit else 'trained now'}: {pair.path})")
+    cost_ratio_given = cost_ratio is not None
     if cost_ratio is None:
         cost_ratio = info["drafter_parameters"] / info["verifier_parameters"]
 
@@ -630,9 +660,10 @@ def run_demo(
     timings["total_seconds"] = time.perf_counter() - started
     report_path = out_dir / "report.md"
     report_path.write_text(_report_markdown(pair, settings, cost_ratio, samples, reports, comparison, plot_paths,
-                                            timings), encoding="utf-8")
+                                            timings, cost_ratio_given=cost_ratio_given), encoding="utf-8")
     (out_dir / "report.json").write_text(json.dumps({
-        "pair": pair.info, "settings": asdict(settings), "cost_ratio": cost_ratio, "samples": samples,
+        "pair": pair.info, "settings": asdict(settings), "cost_ratio": cost_ratio,
+        "cost_ratio_given": cost_ratio_given, "samples": samples,
         "reports": {name: report.to_dict() for name, report in reports.items()}, "comparison": comparison,
         "timings": timings, "cache_hit": pair.cache_hit,
     }, indent=2, default=str), encoding="utf-8")
@@ -646,7 +677,7 @@ def run_demo(
 
 def _report_markdown(pair: DemoPair, settings: DemoSettings, cost_ratio: float, samples: Mapping[str, Any],
                      reports: Mapping[str, Any], comparison: list[dict[str, Any]], plot_paths: list[Path],
-                     timings: Mapping[str, float]) -> str:
+                     timings: Mapping[str, float], cost_ratio_given: bool = False) -> str:
     info = pair.info
     drafter_mixture = ", ".join(f"{task} {weight:.0%}" for task, weight in
                                 info["config"]["drafter_training"]["mixture"])
@@ -662,9 +693,12 @@ def _report_markdown(pair: DemoPair, settings: DemoSettings, cost_ratio: float, 
         f"({'loaded from the cache' if pair.cache_hit else 'trained in this run'}; `{pair.path}`)",
         f"- K = {settings.num_draft_tokens} drafts per round, temperature {settings.temperature}, cost ratio "
         f"c = {cost_ratio:.3g}; {settings.num_eval_examples} held-out prompts and texts per task. S_T is the "
-        "speed-up predicted from α_T with c = the drafter/verifier parameter ratio (a cost model for hardware where a "
-        "forward pass costs in proportion to the weights it reads); models this small are overhead-bound on a CPU, "
-        "so their wall-clock gains there are smaller. Tokens per verifier call (tok/call) are measured.",
+        + ("speed-up predicted from α_T with the cost ratio c given on the command line (--cost-ratio). "
+           if cost_ratio_given else
+           "speed-up predicted from α_T with c = the drafter/verifier parameter ratio (a cost model for hardware "
+           "where a forward pass costs in proportion to the weights it reads); models this small are overhead-bound "
+           "on a CPU, so their wall-clock gains there are smaller. ")
+        + "Tokens per verifier call (tok/call) are measured.",
         f"- s-CDF: {settings.finetune_steps} steps, {settings.finetune_batch_size_per_task} windows per task per step, "
         f"lr {settings.finetune_lr}, corrective weights on CE",
         f"- wall time: {timings.get('total_seconds', float('nan')):.0f} s",

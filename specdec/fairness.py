@@ -73,13 +73,23 @@ def _as_task_data(name: str, value: object) -> TaskData:
     return data
 
 
+def _text_length(tokenizer: Any, ids: list[int]) -> int:
+    """Characters of the text ``ids`` decode to, special tokens (bos, eos, pad) left out; a tokenizer whose
+    ``decode`` has no ``skip_special_tokens`` is trusted to leave them out itself."""
+    try:
+        return len(tokenizer.decode(ids, skip_special_tokens=True))
+    except TypeError:
+        return len(tokenizer.decode(ids))
+
+
 def encode_items(items: Sequence[str] | Sequence[Sequence[int]], tokenizer: Any, name: str,
                  add_special_tokens: bool = False,
                  vocab: int | None = None) -> tuple[list[list[int]], list[int | None]]:
     """Token ids and character counts of a list of texts or token-id lists.
 
     Strings are encoded with ``tokenizer.encode(text, add_special_tokens=...)``; token-id lists pass through (their
-    character count comes from ``tokenizer.decode`` when a tokenizer is given, else None).
+    character count comes from ``tokenizer.decode(..., skip_special_tokens=True)`` when a tokenizer is given, else
+    None).
     Returns ``(token_lists, char_counts)``. With ``vocab``, ids outside ``[0, vocab)`` raise ValueError.
     """
     token_lists: list[list[int]] = []
@@ -95,7 +105,7 @@ def encode_items(items: Sequence[str] | Sequence[Sequence[int]], tokenizer: Any,
             ids = item.tolist() if isinstance(item, torch.Tensor) else list(item)
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise TypeError(f"{name}[{index}] must be a string or a list of int token ids")
-            chars.append(len(tokenizer.decode(ids)) if tokenizer is not None else None)
+            chars.append(_text_length(tokenizer, ids) if tokenizer is not None else None)
         else:
             raise TypeError(f"{name}[{index}] must be a string or a list of int token ids, got {type(item).__name__}")
         if vocab is not None and ids and not 0 <= min(ids) <= max(ids) < vocab:
@@ -378,7 +388,7 @@ def _generation_figures(verifier: torch.nn.Module, drafter: torch.nn.Module, pro
             width = ids.shape[1]
             for row in range(len(chunk)):
                 new = out.sequences[row, width:width + int(stats.generated[row])].tolist()
-                chars += len(tokenizer.decode(new))
+                chars += _text_length(tokenizer, new)  # an emitted eos is no text
     tokens_per_call = generated / calls if calls else float("nan")
     return {
         "num_prompts": len(prompts), "generated_tokens": generated,

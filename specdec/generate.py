@@ -14,6 +14,7 @@ common length after every round (rejected tails are rolled back); the prompt is 
 from __future__ import annotations
 
 import inspect
+import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -140,10 +141,20 @@ class _ModelRunner:
         self.length = new_length
 
 
+def _as_int(value: object) -> int | None:
+    """``value`` as a Python int if it is an integer (Python, numpy, 0-dim tensor; not a bool), else None."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        return None
+    if isinstance(value, torch.Tensor):
+        return int(value) if value.numel() == 1 and not value.dtype.is_floating_point else None
+    return int(value) if isinstance(value, numbers.Integral) else None
+
+
 def _check_int(value: object, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    number = _as_int(value)
+    if number is None or number < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
+    return number
 
 
 def _eos_ids(eos_token_id: int | Sequence[int] | None, vocab: int) -> list[int]:
@@ -151,11 +162,29 @@ def _eos_ids(eos_token_id: int | Sequence[int] | None, vocab: int) -> list[int]:
         return []
     if isinstance(eos_token_id, torch.Tensor):  # e.g. a tensor from a generation config
         eos_token_id = eos_token_id.reshape(-1).tolist()
-    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    for token in ids:
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
-            raise ValueError(f"eos_token_id must be an int or list of ints in [0, {vocab}), got {eos_token_id!r}")
+    single = _as_int(eos_token_id)
+    if single is not None:
+        raw = [eos_token_id]
+    elif isinstance(eos_token_id, Sequence) and not isinstance(eos_token_id, (str, bytes)):
+        raw = list(eos_token_id)
+    else:
+        raise TypeError(f"eos_token_id must be an int or a list of ints, got {type(eos_token_id).__name__}")
+    ids = [_as_int(token) for token in raw]
+    if any(token is None or not 0 <= token < vocab for token in ids):
+        raise ValueError(f"eos_token_id must be an int or list of ints in [0, {vocab}), got {eos_token_id!r}")
     return ids
+
+
+def _sliding_window(model: torch.nn.Module) -> int | None:
+    """The attention window of a model whose config uses sliding-window attention in some layer, else None."""
+    config = getattr(model, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if _as_int(window) is None or window <= 0 or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and not any("sliding" in str(kind) for kind in layer_types):
+        return None
+    return int(window)
 
 
 @torch.no_grad()
@@ -225,8 +254,21 @@ def generate(
     num_drafts = _check_int(num_draft_tokens, "num_draft_tokens", 1)
     temperature = check_temperature(temperature)
     top_k = _check_int(top_k, "top_k", 0)
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0.0 < float(top_p) <= 1.0:
+        raise ValueError(f"top_p must be a float in (0, 1], got {top_p!r}")
+    top_p = float(top_p)
+    # The two caches keep one slot layout for the whole batch: each round appends K + 1 slots and rows that accept
+    # fewer drafts leave masked slots behind. A sliding window counts slots, not tokens (and transformers' sliding
+    # cache layers cannot roll back past the window), so the window must hold every slot the call can create.
+    most_slots = prompt_len + max_new_tokens * (num_drafts + 1)
+    for name, model in (("verifier", verifier), ("drafter", drafter)):
+        window = _sliding_window(model)
+        if window is not None and most_slots >= window:
+            raise ValueError(
+                f"{name} uses sliding-window attention (window {window}); speculative decoding here needs prompt "
+                f"length + max_new_tokens * (num_draft_tokens + 1) = {prompt_len} + {max_new_tokens} * "
+                f"{num_drafts + 1} = {most_slots} below the window (shorten the prompt, max_new_tokens or "
+                "num_draft_tokens)")
     check_backend(backend)
     verifier_vocab, drafter_vocab = model_vocab_size(verifier, "verifier"), model_vocab_size(drafter, "drafter")
     if vocab_size is None:
@@ -242,8 +284,8 @@ def generate(
     if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
         raise ValueError(f"input_ids must lie in [0, vocab_size={vocab})")
     eos_ids = _eos_ids(eos_token_id, vocab)
-    check_int_range(pad_token_id, "pad_token_id", 0, vocab, allow_none=True, note=" (vocab_size)")
-    check_int_range(seed, "seed", 0, 2**64, allow_none=True)
+    pad_token_id = check_int_range(pad_token_id, "pad_token_id", 0, vocab, allow_none=True, note=" (vocab_size)")
+    seed = check_int_range(seed, "seed", 0, 2**64, allow_none=True)
     pad = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
     greedy = temperature == 0
 

@@ -20,6 +20,21 @@ def tiny_llama(vocab_size: int = 96, hidden_size: int = 32, num_layers: int = 2,
     return model
 
 
+def tiny_mistral(sliding_window: int, vocab_size: int = 96, hidden_size: int = 32, seed: int = 0,
+                 init_std: float = 0.3):
+    """A float32 Mistral (sliding-window attention over ``sliding_window`` positions) with random weights."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MistralConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=init_std,
+        sliding_window=sliding_window, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        attn_implementation="eager",
+    )
+    return MistralForCausalLM(config).eval()
+
+
 def perturbed_copy(model: LlamaForCausalLM, noise: float, seed: int = 0) -> LlamaForCausalLM:
     """A drafter close to ``model``: same architecture, weights plus Gaussian noise of relative scale ``noise``."""
     generator = torch.Generator().manual_seed(seed)

@@ -226,3 +226,36 @@ def test_read_prompts_file(tmp_path):
     jsonl.write_text('{"text": "a"}\n', encoding="utf-8")
     with pytest.raises(data.TaskFileError, match="'prompt' field"):
         data.read_prompts_file(jsonl)
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_prompt(tmp_path):
+    plain = tmp_path / "bom.txt"
+    plain.write_bytes("count 5:\nsecond\n".encode("utf-8-sig"))
+    assert data.read_prompts_file(plain) == ["count 5:", "second"]
+
+
+def test_a_pretty_printed_json_object_gets_a_clear_error(tmp_path):
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps({"task": "a", "text": "x"}, indent=2), encoding="utf-8")
+    with pytest.raises(data.TaskFileError, match="one JSON object spread over several lines"):
+        data.load_tasks(path)
+    lines = tmp_path / "lines.json"  # JSON lines in a .json file still load
+    lines.write_text('{"task": "a", "text": "x"}\n{"task": "b", "text": "y"}\n', encoding="utf-8")
+    assert set(data.load_tasks(lines)) == {"a", "b"}
+
+
+def test_data_arguments_are_checked_by_name(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    path.write_text('{"task": "a", "text": "x"}\n', encoding="utf-8")
+    for bad in ("3", 2.5, 0, True):
+        with pytest.raises(ValueError, match="max_examples"):
+            data.load_tasks(path, max_examples=bad)
+    with pytest.raises(ValueError, match="num_examples"):
+        data.generate_examples("count", "3")
+    with pytest.raises(ValueError, match="num_examples"):
+        data.sample_mixture({"count": 1.0}, 2.5)
+    with pytest.raises(ValueError, match="weights"):
+        data.sample_mixture({"count": float("nan")}, 5)
+    with pytest.raises(TypeError, match="tasks must be a list"):
+        data.synthetic_task_suite(3, tasks="count")
+    assert set(data.synthetic_task_suite(2, tasks=["count"])) == {"count"}

@@ -47,6 +47,7 @@ def test_report_and_plots_are_written_where_asked(first_run):
         assert path.parent == result.output_dir
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [row["drafter"] for row in result.comparison] == ["original", "s-CDF"]
+    assert "parameter ratio" in text and "--cost-ratio" not in text  # c was not given: the parameter ratio
     assert set(result.samples) == set(demo.data.TASK_NAMES)
     assert {row.name for row in result.before.tasks} == set(demo.data.TASK_NAMES)
 
@@ -62,12 +63,27 @@ def test_second_run_reuses_the_cached_pair(first_run, monkeypatch):
 
     monkeypatch.setattr(demo, "train_language_model", no_training)
     again = demo.run_demo(root / "report-2", cache_dir=root / "cache", quick=True, progress=False, echo=None,
-                          baselines=True)
+                          baselines=True, cost_ratio=0.05)
     assert again.cache_hit and again.pair_dir == result.pair_dir
     assert [row["drafter"] for row in again.comparison] == ["original", "s-CDF", *demo.BASELINE_METHODS]
     assert again.pair_info["cache_key"] == result.pair_info["cache_key"]
     # Same pair, same seed: the measured figures are reproduced.
     assert again.before.summary["U_ce"] == pytest.approx(result.before.summary["U_ce"], rel=1e-6)
+    text = again.report_path.read_text(encoding="utf-8")
+    assert "c = 0.05" in text and "--cost-ratio" in text and "parameter ratio" not in text
+
+
+def test_an_unusable_output_dir_is_refused_before_any_work(tmp_path, monkeypatch):
+    def no_work(*args, **kwargs):
+        raise AssertionError("the demo started working before checking --output-dir")
+
+    monkeypatch.setattr(demo, "get_demo_pair", no_work)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x", encoding="utf-8")
+    with pytest.raises(demo.DemoError, match="--output-dir .* exists and is not a folder"):
+        demo.run_demo(a_file, cache_dir=tmp_path / "cache", quick=True, progress=False, echo=None)
+    with pytest.raises(demo.DemoError, match="--output-dir .* cannot be created"):
+        demo.run_demo(a_file / "below", cache_dir=tmp_path / "cache", quick=True, progress=False, echo=None)
 
 
 @pytest.mark.parametrize("damage", ["missing_drafter", "truncated_weights", "incomplete_meta"])

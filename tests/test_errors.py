@@ -141,12 +141,23 @@ def test_generate_refuses_right_padded_prompts(pair, prompts):
         specdec.generate(verifier, drafter, input_ids.flip(1), attention_mask.flip(1), max_new_tokens=2)
 
 
-def test_generate_accepts_eos_ids_as_a_tensor(pair, prompts):
+def test_generate_accepts_eos_ids_as_a_tensor_or_numpy_integers(pair, prompts):
+    import numpy as np
+
     verifier, drafter = pair
-    eos = 7
+    free = specdec.generate(verifier, drafter, *prompts, max_new_tokens=6)
+    width = prompts[0].shape[1]
+    eos = int(free.sequences[0, width + 2])  # row 0 emits it at its third step: the eos id must take effect
     a = specdec.generate(verifier, drafter, *prompts, max_new_tokens=6, eos_token_id=eos)
-    b = specdec.generate(verifier, drafter, *prompts, max_new_tokens=6, eos_token_id=torch.tensor(eos))
-    assert torch.equal(a.sequences, b.sequences)
+    assert int(a.stats.generated[0]) <= 3 and not torch.equal(a.sequences, free.sequences)
+    for same in (torch.tensor(eos), torch.tensor([eos]), np.int64(eos), [np.int32(eos)]):
+        b = specdec.generate(verifier, drafter, *prompts, max_new_tokens=6, eos_token_id=same)
+        assert torch.equal(a.sequences, b.sequences), same
+    c = specdec.generate(verifier, drafter, *prompts, max_new_tokens=np.int64(6), num_draft_tokens=np.int64(4),
+                         top_k=np.int64(0), top_p=np.float32(1.0), seed=np.uint64(3), eos_token_id=eos)
+    assert torch.equal(a.sequences, c.sequences)
+    with pytest.raises(TypeError, match="eos_token_id"):
+        specdec.generate(verifier, drafter, *prompts, max_new_tokens=2, eos_token_id=2.0)
 
 
 def test_backend_triton_on_cpu_without_interpreter_is_refused(monkeypatch):

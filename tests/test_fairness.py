@@ -16,6 +16,7 @@ from specdec.fairness import (
     TaskFairness,
     _check_bounds,
     divergences_from_logits,
+    encode_items,
     evaluate,
     spearman,
     task_divergences,
@@ -52,10 +53,12 @@ class CharTokenizer:
                 ids.append(3 + self.chars.index(ch))
         return ids
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         out = []
         for t in ids:
-            if 3 <= t < 3 + len(self.chars):
+            if t in (1, 2) and not skip_special_tokens:
+                out.append(("<s>", "</s>")[t - 1])  # as Hugging Face tokenizers render bos / eos
+            elif 3 <= t < 3 + len(self.chars):
                 out.append(self.chars[t - 3])
             elif 30 <= t < 38:
                 out.append(self.fragmented[t - 30])
@@ -160,6 +163,13 @@ def test_per_character_figures_with_a_fragmenting_tokenizer(models):
     assert greek.char_speedup == pytest.approx(greek.speedup * greek.chars_per_token / mean_rho)
     assert latin.chars_per_call is not None and greek.chars_per_call is not None
     assert "char_speedup_max_over_min" in report.summary
+
+
+def test_character_counts_leave_out_special_tokens():
+    # an emitted eos or a bos in a token-id list is no text: counted as '</s>' it would inflate chars/call
+    tok = CharTokenizer()
+    _, chars = encode_items([[1, 3, 4, 5, 2], [3, 4]], tok, "texts", True)
+    assert chars == [3, 2]
 
 
 def test_greedy_and_text_only_and_prompt_only(models):

@@ -6,7 +6,7 @@ import torch
 
 import specdec
 
-from models import left_padded_prompts, perturbed_copy, tiny_llama
+from models import left_padded_prompts, perturbed_copy, tiny_llama, tiny_mistral
 from stats import assert_follows
 
 VOCAB = 96
@@ -47,6 +47,23 @@ def test_greedy_equals_verifier_greedy(verifier, drafters, num_draft_tokens, len
     assert bool((stats.drafter_calls == stats.verifier_calls * num_draft_tokens).all())
     if drafter_name == "close" and len(lengths) > 1:  # the case must exercise ragged acceptance (holes)
         assert int(stats.accepted.sum()) > 0 and len(set(stats.acceptance_rate.tolist())) > 1
+
+
+def test_sliding_window_models_run_within_their_window_and_are_refused_past_it():
+    # the caches keep one slot layout (K + 1 slots a round, masked holes where rows accepted less); a sliding window
+    # counts slots, so a call that could outgrow it is refused with a clear error instead of transformers' crop
+    # error or a silently shorter context
+    input_ids, attention_mask = left_padded_prompts([5, 9, 2, 7], VOCAB, seed=4)
+    roomy = tiny_mistral(sliding_window=64, vocab_size=VOCAB, seed=0)
+    roomy_drafter = tiny_mistral(sliding_window=64, vocab_size=VOCAB, seed=1)
+    expected = _reference(roomy, input_ids, attention_mask, 12, eos_token_id=[])
+    out = specdec.generate(roomy, roomy_drafter, input_ids, attention_mask, max_new_tokens=12, num_draft_tokens=3,
+                           pad_token_id=0)  # 9 + 12 * 4 = 57 slots at most
+    assert torch.equal(out.sequences, expected)
+    narrow = tiny_mistral(sliding_window=16, vocab_size=VOCAB, seed=0)
+    for verifier, drafter, name in ((narrow, roomy_drafter, "verifier"), (roomy, narrow, "drafter")):
+        with pytest.raises(ValueError, match=f"{name} uses sliding-window attention .window 16.*9 \\+ 4 \\* 3 = 21"):
+            specdec.generate(verifier, drafter, input_ids, attention_mask, max_new_tokens=4, num_draft_tokens=2)
 
 
 def test_greedy_equals_verifier_greedy_with_sdpa_attention():
