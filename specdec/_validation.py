@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import numbers
+import os
+from pathlib import Path
 
 import torch
 
@@ -102,3 +104,15 @@ def use_triton(backend: str, device: torch.device) -> bool:
             )
         return True
     return device.type == "cuda"
+
+
+def folder_problem(path: Path) -> str | None:
+    """Why ``path`` cannot become a folder we write into (it is a file, or no writable folder holds it), else None."""
+    if path.exists() and not path.is_dir():
+        return f"{path} exists and is not a folder"
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        return f"cannot create or write {path} ({parent} is not a writable folder)"
+    return None

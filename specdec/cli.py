@@ -212,13 +212,11 @@ def _shared_vocab_size(verifier: Any, drafter: Any, tokenizer: Any) -> int | Non
 
 def _check_output_folder(path: Path, option: str) -> None:
     """UsageError before any work when ``path`` cannot become a folder we write into."""
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"argument {option}: {path} exists and is not a folder")
-    parent = path
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise UsageError(f"argument {option}: cannot create or write {path} ({parent} is not a writable folder)")
+    from specdec._validation import folder_problem
+
+    problem = folder_problem(path)
+    if problem:
+        raise UsageError(f"argument {option}: {problem}")
 
 
 def _load_tasks(path: Path, max_examples: int | None) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from specdec import data
+from specdec._validation import folder_problem
 
 CACHE_FORMAT = "specdec-demo-pair-v2"
 DEFAULT_OUTPUT_DIR = "specdec-demo-report"
@@ -213,13 +214,9 @@ def _transformers_progress_bars(enabled: bool) -> Iterator[None]:
 
 def _check_writable_folder(path: Path) -> None:
     """DemoError naming ``--output-dir`` when ``path`` cannot become a folder the report is written into."""
-    if path.exists() and not path.is_dir():
-        raise DemoError(f"--output-dir {path} exists and is not a folder")
-    parent = path
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise DemoError(f"--output-dir {path} cannot be created or written ({parent} is not a writable folder)")
+    problem = folder_problem(path)
+    if problem:
+        raise DemoError(f"--output-dir {problem}")
 
 
 def _check_cache_dir(cache_dir: Path) -> Path:

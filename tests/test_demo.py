@@ -82,7 +82,7 @@ def test_an_unusable_output_dir_is_refused_before_any_work(tmp_path, monkeypatch
     a_file.write_text("x", encoding="utf-8")
     with pytest.raises(demo.DemoError, match="--output-dir .* exists and is not a folder"):
         demo.run_demo(a_file, cache_dir=tmp_path / "cache", quick=True, progress=False, echo=None)
-    with pytest.raises(demo.DemoError, match="--output-dir .* cannot be created"):
+    with pytest.raises(demo.DemoError, match="--output-dir cannot create or write .*a-file.below"):
         demo.run_demo(a_file / "below", cache_dir=tmp_path / "cache", quick=True, progress=False, echo=None)
 
 
