@@ -784,7 +784,12 @@ class DivergenceLossFunction(torch.autograd.Function):
                 check_inputs: bool = False) -> torch.Tensor:
         scale, count = loss_scale(reduction, drafter_logits.shape[0], mask)
         needs_grad = ctx.needs_input_grad[0]
-        grad = torch.empty_like(drafter_logits, memory_format=torch.contiguous_format) if needs_grad else None
+        # fp16: the gradient is kept in fp32 until the backward has scaled it by the incoming gradient (a GradScaler's
+        # loss scale); stored in fp16 first, its small entries (w (q - p) / (T N)) would underflow before the scaling
+        # that exists to save them. bf16 has fp32's exponent range and keeps its own dtype.
+        grad_dtype = torch.float32 if drafter_logits.dtype == torch.float16 else drafter_logits.dtype
+        grad = torch.empty(drafter_logits.shape, dtype=grad_dtype, device=drafter_logits.device) if needs_grad else None
+        ctx.input_dtype = drafter_logits.dtype
         mask_u8 = mask.to(torch.uint8) if mask is not None else None
         w32 = weights.to(torch.float32).contiguous() if weights is not None else None
         ce, _, _, _, status, _ = launch_divergence(verifier_logits, drafter_logits, temperature, mask=mask_u8,
@@ -803,7 +808,7 @@ class DivergenceLossFunction(torch.autograd.Function):
         if grad is None:
             return None, None, None, None, None, None, None
         rescale_gradient(grad, grad_output)
-        return grad, None, None, None, None, None, None
+        return grad.to(ctx.input_dtype), None, None, None, None, None, None
 
 
 def divergence_loss_triton(drafter_logits: torch.Tensor, verifier_logits: torch.Tensor,

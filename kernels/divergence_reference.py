@@ -124,10 +124,16 @@ def cross_entropy_rows(verifier_logits: torch.Tensor, drafter_logits: torch.Tens
                        compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Differentiable [N] ``H(p_n, q_n)`` for the training loss; the verifier side is detached.
 
-    Uses plain autograd: ``d H / d drafter_logits = (q - p) / T``. Entries with ``p = 0`` contribute nothing (no NaN
-    from ``0 * -inf``); ``p > 0`` where ``q = 0`` gives ``+inf`` with the finite gradient ``(q - p) / T``; a NaN ``p``
-    (unchecked NaN logits) gives NaN.
+    Uses plain autograd: ``d H / d drafter_logits = (q - p) / T``. Entries with ``p = 0`` (a ``-inf`` verifier logit)
+    contribute nothing (no NaN from ``0 * -inf``); ``p > 0`` (a finite verifier logit, even where ``p`` underflows in
+    ``compute_dtype``) where ``q = 0`` (a ``-inf`` drafter logit) gives ``+inf`` with the finite gradient
+    ``(q - p) / T``; a NaN ``p`` (unchecked NaN logits) gives NaN.
     """
     p = torch.softmax(verifier_logits.detach().to(compute_dtype) / temperature, dim=-1)
     log_q = torch.log_softmax(drafter_logits.to(compute_dtype) / temperature, dim=-1)
-    return -torch.where(p != 0, p * log_q, torch.zeros((), dtype=compute_dtype, device=p.device)).sum(dim=-1)
+    ce = -torch.where(p != 0, p * log_q, torch.zeros((), dtype=compute_dtype, device=p.device)).sum(dim=-1)
+    # The support is read off the logits: a finite verifier logit whose p underflows to 0 still has p > 0, so a -inf
+    # drafter logit there makes H(p, q) infinite (as in the kernels and `divergence`); added as a constant, so the
+    # gradient stays the finite (q - p) / T
+    unsupported = ((verifier_logits.detach() > float("-inf")) & (drafter_logits.detach() == float("-inf"))).any(-1)
+    return ce + torch.where(unsupported, float("inf"), 0.0).to(ce.dtype)

@@ -272,7 +272,9 @@ def divergence_loss(
     Returns:
         0-dim loss: float32, or float64 for float64 logits on the torch path. On the Triton path the gradient is
         computed during the forward pass (one extra write of [N, V] in the drafter's dtype, no [N, V] float32
-        intermediates) and scaled in place by the incoming gradient on the device, so one backward per graph: a
+        intermediates; for fp16 logits in float32, so that a loss scaler's factor reaches the small entries before
+        they are rounded to fp16) and scaled in place by the incoming gradient on the device, so one backward per
+        graph: a
         second backward through the same graph (``retain_graph=True``) raises RuntimeError. On Hopper GPUs with
         bf16/fp16 logits (V >= 32000, a multiple of 16) the kernel splits each row over a thread-block cluster and
         reads the logits once (``kernels/divergence_cluster.py``); elsewhere one program per row reads them twice.
@@ -325,7 +327,9 @@ def fused_linear_divergence_loss(
         0-dim loss (float32; float64 for float64 inputs on the torch path) with gradients for ``drafter_hidden``
         and ``lm_head_weight``. The Triton path computes logits chunk by chunk, runs the divergence kernel in place
         on each chunk and accumulates the weight gradient in float32 (one backward per graph, as for
-        :func:`divergence_loss`); the torch path is plain autograd (materialises [N, V]).
+        :func:`divergence_loss`); the torch path is plain autograd (materialises [N, V]). With fp16 inputs the
+        Triton path rounds the per-chunk logit gradients to fp16 before a loss scaler's factor is applied, so its
+        smallest entries underflow (bf16 and fp32 do not); train in bf16 or use ``backend="torch"`` there.
     """
     check_tensor(drafter_hidden, "drafter_hidden", 2, float_dtype=True, shape_doc="[N, H]")
     check_tensor(lm_head_weight, "lm_head_weight", 2, float_dtype=True, shape_doc="[V, H]")

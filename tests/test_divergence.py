@@ -159,6 +159,22 @@ def test_cross_entropy_rows_has_no_nan_gradient_on_masked_entries() -> None:
     assert torch.isfinite(d.grad).all() and bool((d.grad[:, :3] == 0).all())
 
 
+def test_loss_support_is_read_off_the_logits_not_off_an_underflowed_softmax() -> None:
+    # row 1: one verifier logit 300 above the rest, so p of the others underflows to 0 in float32, and a -inf drafter
+    # logit at one of them: p > 0 where q = 0, so H(p, q) = +inf (as divergence() says), with a finite gradient
+    v = torch.zeros(2, 12)
+    v[1, 0] = 300.0
+    d = torch.randn(2, 12, generator=torch.Generator().manual_seed(5))
+    d[1, 10] = NEG_INF
+    d.requires_grad_()
+    ce = cross_entropy_rows(v, d, 1.0)
+    assert math.isfinite(float(ce[0].detach())) and float(ce[1].detach()) == math.inf
+    assert float(sd.divergence(v, d.detach(), backend="torch").cross_entropy[1]) == math.inf
+    assert float(sd.divergence_loss(d, v, reduction="sum", backend="torch")) == math.inf
+    ce[1].backward()
+    assert torch.isfinite(d.grad).all()
+
+
 def test_fused_linear_torch_path_matches_unfused() -> None:
     g = torch.Generator().manual_seed(19)
     hidden = torch.randn(9, 6, generator=g, dtype=torch.float64, requires_grad=True)

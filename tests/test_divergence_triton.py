@@ -490,3 +490,24 @@ def test_unchecked_nan_logits_give_a_nan_loss(pass1) -> None:
     v[2, 7] = float("nan")
     assert torch.isnan(sd.divergence_loss(d, v, check_inputs=False, backend="triton"))
     assert torch.isnan(sd.divergence_loss(d, v, check_inputs=False, backend="torch"))
+
+
+@pytest.mark.parametrize("n,vocab", [(6, 300), pytest.param(64, 32000, marks=gpu_only)],
+                         ids=["row_kernel", "cluster_kernel_gpu"])
+def test_fp16_loss_gradient_survives_a_loss_scale(n: int, vocab: int) -> None:
+    # A GradScaler multiplies the loss by 2**16 so that small fp16 gradient entries (here w (q - p) / N, w = 1/4096)
+    # survive: the Triton path must apply that factor before rounding to fp16, as autograd does on the torch path.
+    v = _logits(n, vocab, 40, scale=1.0, dtype=torch.float16)
+    d0 = _logits(n, vocab, 41, scale=1.0, dtype=torch.float16)
+    weights = torch.full((n,), 1 / 4096, device=DEVICE)
+    d = d0.clone().requires_grad_()
+    (sd.divergence_loss(d, v, weights=weights, reduction="mean", backend="triton", check_inputs=False)
+     * 65536.0).backward()
+    d64 = d0.double().requires_grad_()
+    ref = -(torch.softmax(v.double(), -1) * torch.log_softmax(d64, -1)).sum(-1)
+    ((ref * weights.double()).sum() / n * 65536.0).backward()
+    assert d.grad.dtype == torch.float16
+    want = d64.grad
+    significant = want.abs() > 1e-3
+    assert bool(significant.any()) and not bool((d.grad[significant] == 0).any())
+    torch.testing.assert_close(d.grad.double(), want, rtol=0, atol=2e-3 * float(want.abs().max()))
