@@ -45,15 +45,23 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
 
 
 def stream_keys(seeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two 32-bit keys per (seed, position); int64 tensors broadcast against each other."""
+    """Two 32-bit keys per (seed, position); int64 tensors broadcast against each other.
+
+    ``key_a`` steps through the positions of a seed with a Weyl sequence (``base_a + (pos + 1) G``), so the streams
+    of two seeds whose ``base_a`` differ by ``d G`` would repeat each other ``d`` positions apart if it were the only
+    key. ``key_b`` hashes the position together with a second digest of the seed, so it never follows such a shift:
+    two (seed, position) pairs share their uniforms only if both 32-bit keys agree (about 2**-64 per pair). Both
+    keys take all 64 bits of the seed and of the position."""
     seeds = seeds.to(torch.int64)
     positions = positions.to(torch.int64)
     seed_lo = seeds & MASK32
     seed_hi = (seeds >> 32) & MASK32
-    base = hash32(hash32(seed_lo ^ _GOLDEN) ^ seed_hi)
+    base_a = hash32(hash32(seed_lo ^ _GOLDEN) ^ seed_hi)
+    base_b = hash32(hash32(seed_hi ^ _SALT_B) ^ seed_lo)
     pos_lo = positions & MASK32
-    key_a = hash32((base + _mul32(pos_lo + 1, _GOLDEN)) & MASK32)
-    key_b = hash32(key_a ^ _SALT_B)
+    pos_hi = (positions >> 32) & MASK32
+    key_a = hash32(((base_a + _mul32(pos_lo + 1, _GOLDEN)) & MASK32) ^ pos_hi)
+    key_b = hash32(hash32(base_b ^ pos_lo) ^ pos_hi ^ _SALT_B)
     return key_a, key_b
 
 
@@ -91,10 +99,12 @@ def stream_keys_tl(seed, position):
     """seed, position: int64 scalars or tensors. Returns (key_a, key_b) as uint32."""
     seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
     seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    base = hash32_tl(hash32_tl(seed_lo ^ 0x9E3779B9) ^ seed_hi)
+    base_a = hash32_tl(hash32_tl(seed_lo ^ 0x9E3779B9) ^ seed_hi)
+    base_b = hash32_tl(hash32_tl(seed_hi ^ 0x85EBCA6B) ^ seed_lo)
     pos_lo = (position & 0xFFFFFFFF).to(tl.uint32)
-    key_a = hash32_tl(base + (pos_lo + 1) * 0x9E3779B9)
-    key_b = hash32_tl(key_a ^ 0x85EBCA6B)
+    pos_hi = ((position >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    key_a = hash32_tl((base_a + (pos_lo + 1) * 0x9E3779B9) ^ pos_hi)
+    key_b = hash32_tl(hash32_tl(base_b ^ pos_lo) ^ pos_hi ^ 0x85EBCA6B)
     return key_a, key_b
 
 

@@ -248,12 +248,16 @@ def command_generate(args: argparse.Namespace) -> int:
             raise CommandError(str(error)) from None
     else:
         prompts = [prompt.replace("\\n", "\n") for prompt in args.prompt]
-    if any(not prompt for prompt in prompts):
-        raise UsageError("argument --prompt: prompts must not be empty")
+        if any(not prompt for prompt in prompts):
+            raise UsageError("argument --prompt: prompts must not be empty")
     verifier, drafter, tokenizer = _load_pair(args)
     eos = args.eos_token_id if args.eos_token_id is not None else tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
     vocab_size = _shared_vocab_size(verifier, drafter, tokenizer)
+    ids = vocab_size or min(model.get_output_embeddings().weight.shape[0] for model in (verifier, drafter))
+    if args.eos_token_id is not None and args.eos_token_id >= ids:
+        raise UsageError(f"argument --eos-token-id: {args.eos_token_id} is not a token id of these models "
+                         f"(they have {ids})")
     device = next(verifier.parameters()).device
     totals = {"generated": 0, "verifier_calls": 0, "drafted": 0, "accepted": 0, "wall_time_s": 0.0}
     for start in range(0, len(prompts), args.batch_size):
@@ -310,6 +314,8 @@ def command_evaluate(args: argparse.Namespace) -> int:
     """Per-task fairness report of a drafter-verifier pair over task files."""
     from specdec.fairness import evaluate
 
+    if args.output_dir is not None:
+        _check_output_folder(args.output_dir, "--output-dir")
     tasks = _load_tasks(args.tasks, args.max_examples)
     verifier, drafter, tokenizer = _load_pair(args)
     report = evaluate(

@@ -542,6 +542,8 @@ def read_prompts_file(path: str | Path) -> list[str]:
                     raise TaskFileError(f"{path}:{line_number}: not valid JSON ({error.msg})") from None
                 if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
                     raise TaskFileError(f"{path}:{line_number}: expected an object with a string 'prompt' field")
+                if not row["prompt"]:
+                    raise TaskFileError(f"{path}:{line_number}: the 'prompt' field is empty")
                 prompts.append(row["prompt"])
             else:
                 prompts.append(line.rstrip("\r\n").replace("\\n", "\n"))

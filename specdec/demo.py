@@ -225,6 +225,9 @@ def _check_cache_dir(cache_dir: Path) -> Path:
         if _inside(cache_dir, folder):
             raise DemoError(f"refusing to cache the demo models inside the specdec source tree or package "
                             f"({cache_dir} is inside {folder}); set --cache-dir or $SPECDEC_CACHE elsewhere")
+    problem = folder_problem(cache_dir)
+    if problem:  # before minutes of training, not when the trained pair is saved
+        raise DemoError(f"--cache-dir {problem}")
     return cache_dir
 
 

@@ -102,6 +102,10 @@ def rejection_sample(
         raise ValueError(
             f"draft_tokens must have shape [B, K] = {(batch, num_drafts)}, got {tuple(draft_tokens.shape)}"
         )
+    for name, value in (("seeds", seeds), ("offsets", offsets), ("num_draft_tokens", num_draft_tokens),
+                        ("greedy_mask", greedy_mask)):
+        if value is not None:
+            check_tensor(value, name, shape_doc="[B]")  # (a tensor before its device is read)
     device = check_same_device(
         target_logits=target_logits, draft_logits=draft_logits, draft_tokens=draft_tokens, seeds=seeds,
         offsets=offsets, num_draft_tokens=num_draft_tokens, greedy_mask=greedy_mask,
@@ -191,8 +195,8 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
 
 def filter_logits_unchecked(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """:func:`filter_logits` without argument checks, for callers that validated ``top_k`` and ``top_p`` once
-    (``generate`` filters at every step)."""
-    out = logits.float()
+    (``generate`` filters at every step). Never returns ``logits`` itself (a float32 input is copied)."""
+    out = logits.to(torch.float32, copy=True)
     vocab = out.shape[-1]
     if 0 < top_k < vocab:
         kth = torch.topk(out, top_k, dim=-1).values[..., -1:]

@@ -142,6 +142,18 @@ def test_generate_bad_paths(capsys, pair_dirs, tmp_path):
     code, _, err = run_cli(capsys, "generate", "--verifier", verifier_dir, "--drafter", verifier_dir,
                            "--prompts-file", str(tmp_path))
     assert code == 2 and "not a file" in err
+    empty = tmp_path / "empty.jsonl"  # a file's problem is named with its line, not blamed on --prompt
+    empty.write_text('{"prompt": "a"}\n{"prompt": ""}\n', encoding="utf-8")
+    code, _, err = run_cli(capsys, "generate", "--verifier", verifier_dir, "--drafter", verifier_dir,
+                           "--prompts-file", str(empty))
+    assert code == 1 and "empty.jsonl:2" in err and "--prompt:" not in err
+
+
+def test_generate_refuses_an_eos_id_outside_the_vocabulary(capsys, pair_dirs):
+    verifier_dir, drafter_dir = pair_dirs
+    code, _, err = run_cli(capsys, "generate", "--verifier", verifier_dir, "--drafter", drafter_dir, "--prompt", "a",
+                           "--eos-token-id", "100000", "--max-new-tokens", "2")
+    assert code == 2 and "argument --eos-token-id" in err and "Traceback" not in err
 
 
 # -------------------------------------------------------------------------------------------------------- evaluate
@@ -187,6 +199,10 @@ def test_evaluate_bad_inputs(capsys, pair_dirs, tmp_path):
     assert code == 1 and "broken.jsonl:2" in err and "Traceback" not in err
     code, _, err = run_cli(capsys, "evaluate", *common, "--tasks", str(broken), "--max-examples", "zero")
     assert code == 2 and "--max-examples" in err
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x", encoding="utf-8")
+    code, out, err = run_cli(capsys, "evaluate", *common, "--tasks", str(broken), "--output-dir", str(a_file))
+    assert code == 2 and "argument --output-dir" in err and out == ""  # before the tasks are even read
 
 
 # -------------------------------------------------------------------------------------------------------- finetune
@@ -276,3 +292,7 @@ def test_demo_refuses_the_source_tree_and_bad_options(capsys, tmp_path):
     assert not (REPO_ROOT / "specdec" / "report").exists()
     code, _, err = run_cli(capsys, "demo", "--finetune-steps", "-3")
     assert code == 2 and "--finetune-steps" in err
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x", encoding="utf-8")
+    code, _, err = run_cli(capsys, "demo", "--quick", "--cache-dir", str(a_file), "--output-dir", str(tmp_path / "r"))
+    assert code == 2 and "--cache-dir" in err and "exists and is not a folder" in err

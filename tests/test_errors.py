@@ -93,6 +93,10 @@ def test_rejection_sample_rejects_bad_inputs():
         ((target, draft, drafts), {"greedy_mask": torch.tensor([1, 0])}, TypeError, "greedy_mask"),
         ((target, draft, drafts), {"greedy_mask": torch.tensor([True])}, ValueError, "greedy_mask"),
         ((target, draft, drafts), {"generator": 123}, TypeError, "generator"),
+        ((target, draft, drafts), {"seeds": [1, 2]}, TypeError, "seeds"),
+        ((target, draft, drafts), {"offsets": [0, 0]}, TypeError, "offsets"),
+        ((target, draft, drafts), {"num_draft_tokens": [1, 2]}, TypeError, "num_draft_tokens"),
+        ((target, draft, drafts), {"greedy_mask": [True, False]}, TypeError, "greedy_mask"),
         ((target, draft, drafts), {"temperature": 1e-38}, ValueError, "temperature"),
         ((target, draft.to("meta"), drafts), {"check_nan": False}, ValueError, "device"),
         ((torch.zeros(1, 1, 1).expand(2, 4, 2**30), torch.zeros(1, 1, 1).expand(2, 3, 2**30), drafts), {},
@@ -175,6 +179,15 @@ def test_generate_refuses_nan_logits(pair, prompts):
     for temperature in (0.0, 1.0):
         with pytest.raises(ValueError, match="NaN"):
             specdec.generate(verifier, broken, *prompts, max_new_tokens=4, temperature=temperature)
+
+
+def test_filter_logits_returns_a_new_tensor_even_when_nothing_is_filtered():
+    logits = torch.randn(2, 5)
+    before = logits.clone()
+    out = specdec.filter_logits(logits)
+    out[0, 0] = float("-inf")
+    assert torch.equal(logits, before)
+
 
 
 @pytest.mark.parametrize(

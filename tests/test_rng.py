@@ -11,6 +11,7 @@ from specdec.kernels.rng import (
     bits_to_uniform,
     bits_to_uniform_tl,
     hash32,
+    stream_keys,
     stream_keys_tl,
     uniform,
     uniform_from_keys_tl,
@@ -45,6 +46,39 @@ def test_triton_stream_matches_torch_bit_for_bit():
     index = torch.cat([torch.arange(num_index), torch.tensor([ACCEPT_INDEX])])
     expected = uniform(seeds[:, None], positions[:, None], index[None, :])
     assert torch.equal(out, expected)
+
+
+def test_streams_of_two_seeds_never_repeat_each_other_at_a_shift():
+    # key_a walks the positions of a seed with a Weyl step, so among 2**16 seeds some pairs have key_a sequences that
+    # are shifts of each other (base_a2 = base_a1 + d * G); their uniforms must still differ: key_b does not shift
+    seeds = torch.arange(2**16, dtype=torch.int64) * 7919 + 12345
+    key_a0, _ = stream_keys(seeds, torch.zeros_like(seeds))
+    order = torch.argsort(key_a0)
+    found = None
+    for shift in range(1, 9):  # stream(s1, p + shift) has the key_a of stream(s2, p) for every p
+        shifted, _ = stream_keys(seeds, torch.full_like(seeds, shift))
+        at = torch.searchsorted(key_a0[order], shifted).clamp(max=len(seeds) - 1)
+        hits = (key_a0[order][at] == shifted).nonzero().flatten()
+        if len(hits):
+            found = (int(seeds[hits[0]]), int(seeds[order[at[hits[0]]]]), shift)
+            break
+    assert found is not None, "no Weyl-aligned pair among 2**16 seeds: the test lost its power"
+    s1, s2, shift = found
+    positions = torch.arange(16, dtype=torch.int64)
+    a1, _ = stream_keys(torch.tensor(s1), positions + shift)
+    a2, _ = stream_keys(torch.tensor(s2), positions)
+    assert torch.equal(a1, a2)  # the aligned pair (what made runs of shared uniforms possible)
+    index = torch.arange(300, dtype=torch.int64)
+    u1 = uniform(torch.tensor(s1), (positions + shift)[:, None], index[None, :])
+    u2 = uniform(torch.tensor(s2), positions[:, None], index[None, :])
+    assert float((u1 == u2).float().mean()) < 1e-3
+
+
+def test_the_high_bits_of_the_position_count():
+    index = torch.arange(100, dtype=torch.int64)
+    low = uniform(torch.tensor(3), torch.tensor(5), index)
+    high = uniform(torch.tensor(3), torch.tensor(2**32 + 5), index)
+    assert float((low == high).float().mean()) < 0.05
 
 
 def test_hash_is_a_bijection_on_a_block():
