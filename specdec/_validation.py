@@ -55,16 +55,26 @@ def check_logit_rows(logits: torch.Tensor, name: str, used_rows: torch.Tensor | 
         raise ValueError(f"{name} has a row with every entry -inf where a distribution is needed")
 
 
+def as_int(value: object) -> int | None:
+    """``value`` as a Python int if it is an integer (Python, numpy, a one-element integer tensor; not a bool), else
+    None."""
+    if isinstance(value, torch.Tensor):
+        is_integer = not (value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool)
+        return int(value) if value.numel() == 1 and is_integer else None
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else None
+
+
 def check_int_range(value: object, name: str, low: int, high: int, *, allow_none: bool = False,
                     note: str = "") -> int | None:
     """``value`` if it is an int (not a bool) in ``[low, high)``, else ValueError naming ``name`` and the range."""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= int(value) < high:
+    number = as_int(value)
+    if number is None or not low <= number < high:
         bound = "2**64" if high == 2**64 else str(high)
         raise ValueError(f"{name} must be {'None or ' if allow_none else ''}an int in [{low}, {bound}){note}, "
                          f"got {value!r}")
-    return int(value)
+    return number
 
 
 MIN_TEMPERATURE = 1e-6  # below this 1 / T times a logit can overflow float32; use 0 (greedy) instead

@@ -254,7 +254,9 @@ def command_generate(args: argparse.Namespace) -> int:
     eos = args.eos_token_id if args.eos_token_id is not None else tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
     vocab_size = _shared_vocab_size(verifier, drafter, tokenizer)
-    ids = vocab_size or min(model.get_output_embeddings().weight.shape[0] for model in (verifier, drafter))
+    from specdec._models import model_vocab_size
+
+    ids = vocab_size or min(model_vocab_size(verifier), model_vocab_size(drafter))
     if args.eos_token_id is not None and args.eos_token_id >= ids:
         raise UsageError(f"argument --eos-token-id: {args.eos_token_id} is not a token id of these models "
                          f"(they have {ids})")

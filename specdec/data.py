@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specdec._validation import check_int_range
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Task containers
 # ----------------------------------------------------------------------------------------------------------------------
@@ -178,8 +180,7 @@ def generate_examples(task: str, num_examples: int, *, seed: int = 0, split: str
     """``num_examples`` deterministic examples of one built-in task; ``split`` selects an independent stream."""
     if task not in TASK_GENERATORS:
         raise ValueError(f"unknown built-in task {task!r}; available: {', '.join(TASK_NAMES)}")
-    if isinstance(num_examples, bool) or not isinstance(num_examples, int) or num_examples < 0:
-        raise ValueError(f"num_examples must be an int >= 0, got {num_examples!r}")
+    num_examples = check_int_range(num_examples, "num_examples", 0, 2**63)
     rng = _task_rng(seed, task, split)
     generator = TASK_GENERATORS[task]
     return [Example(task, *generator(rng)) for _ in range(num_examples)]
@@ -214,8 +215,7 @@ def sample_mixture(
     unknown = sorted(set(weights) - set(TASK_GENERATORS))
     if unknown:
         raise ValueError(f"unknown built-in task(s) {unknown}; available: {', '.join(TASK_NAMES)}")
-    if isinstance(num_examples, bool) or not isinstance(num_examples, int) or num_examples < 0:
-        raise ValueError(f"num_examples must be an int >= 0, got {num_examples!r}")
+    num_examples = check_int_range(num_examples, "num_examples", 0, 2**63)
     if any(isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0
            for w in weights.values()) or sum(weights.values()) <= 0:
         raise ValueError(f"weights must be finite non-negative numbers with a positive sum, got {dict(weights)}")
@@ -507,8 +507,7 @@ def load_tasks(path: str | Path, *, max_examples: int | None = None, as_task_dat
     _require_existing(path)
     tasks = load_language_folder(path) if path.is_dir() else _load_file(path)
     if max_examples is not None:
-        if isinstance(max_examples, bool) or not isinstance(max_examples, int) or max_examples < 1:
-            raise ValueError(f"max_examples must be None or an int >= 1, got {max_examples!r}")
+        max_examples = check_int_range(max_examples, "max_examples", 1, 2**63)
         tasks = {name: TaskTexts(entry.prompts[:max_examples], entry.texts[:max_examples])
                  for name, entry in tasks.items()}
     if not as_task_data:

@@ -212,11 +212,11 @@ def _transformers_progress_bars(enabled: bool) -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _check_writable_folder(path: Path) -> None:
-    """DemoError naming ``--output-dir`` when ``path`` cannot become a folder the report is written into."""
+def _check_writable_folder(path: Path, option: str) -> None:
+    """DemoError naming ``option`` when ``path`` cannot become a folder we write into (checked before any work)."""
     problem = folder_problem(path)
     if problem:
-        raise DemoError(f"--output-dir {problem}")
+        raise DemoError(f"{option} {problem}")
 
 
 def _check_cache_dir(cache_dir: Path) -> Path:
@@ -225,9 +225,7 @@ def _check_cache_dir(cache_dir: Path) -> Path:
         if _inside(cache_dir, folder):
             raise DemoError(f"refusing to cache the demo models inside the specdec source tree or package "
                             f"({cache_dir} is inside {folder}); set --cache-dir or $SPECDEC_CACHE elsewhere")
-    problem = folder_problem(cache_dir)
-    if problem:  # before minutes of training, not when the trained pair is saved
-        raise DemoError(f"--cache-dir {problem}")
+    _check_writable_folder(cache_dir, "--cache-dir")  # before minutes of training, not when the pair is saved
     return cache_dir
 
 
@@ -564,7 +562,7 @@ def run_demo(
     started = time.perf_counter()
     cache_root = _check_cache_dir(Path(cache_dir) if cache_dir is not None else default_cache_dir())
     out_dir, note = resolve_output_dir(output_dir, cache_root)
-    _check_writable_folder(out_dir)  # before minutes of training, not after
+    _check_writable_folder(out_dir, "--output-dir")  # before minutes of training, not after
     if note:
         say(f"note: {note}")
     settings = default_settings(quick)

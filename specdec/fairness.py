@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from specdec._models import check_model_pair, model_device, model_vocab_size
-from specdec.metrics import expected_tokens_per_call, speedup
+from specdec.metrics import expected_tokens_per_call, speedup, speedup_lower_bounds
 
 _BOUND_TOL = 1e-5
 
@@ -658,9 +658,8 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
             row.speedup = float(speedup(alpha_clamped, K, c))
             row.speedup_prefix_mean = float(speedup(div.alpha.double().clamp(0, 1), K, c).mean())
             if temperature > 0:  # TV_T and D_T are taken at T = 1 when greedy: they bound no greedy S_T
-                row.bound_tv = float(speedup(min(max(1.0 - row.tv, 0.0), 1.0), K, c))
-                row.bound_pinsker = float(speedup(min(max(1.0 - math.sqrt(max(row.kl, 0.0) / 2.0), 0.0), 1.0),
-                                                  K, c))
+                row.bound_tv, row.bound_pinsker = speedup_lower_bounds(min(max(row.tv, 0.0), 1.0),
+                                                                       max(row.kl, 0.0), K, c)
             row.tokens_per_call_predicted = float(expected_tokens_per_call(alpha_clamped, K))
             if all(ch is not None for ch in chars):
                 kept = [min(len(t), max_length) if max_length else len(t) for t in tokens]

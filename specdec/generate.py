@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specdec._models import check_model_pair, model_device, model_vocab_size
-from specdec._validation import check_backend, check_int_range, check_temperature, check_tensor
+from specdec._validation import as_int, check_backend, check_int_range, check_temperature, check_tensor
 from specdec.kernels.rejection_sampling_reference import exponential_race
 from specdec.sampling import filter_logits_unchecked, rejection_sample_unchecked
 
@@ -141,17 +141,8 @@ class _ModelRunner:
         self.length = new_length
 
 
-def _as_int(value: object) -> int | None:
-    """``value`` as a Python int if it is an integer (Python, numpy, 0-dim tensor; not a bool), else None."""
-    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
-        return None
-    if isinstance(value, torch.Tensor):
-        return int(value) if value.numel() == 1 and not value.dtype.is_floating_point else None
-    return int(value) if isinstance(value, numbers.Integral) else None
-
-
 def _check_int(value: object, name: str, minimum: int) -> int:
-    number = _as_int(value)
+    number = as_int(value)
     if number is None or number < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return number
@@ -162,14 +153,14 @@ def _eos_ids(eos_token_id: int | Sequence[int] | None, vocab: int) -> list[int]:
         return []
     if isinstance(eos_token_id, torch.Tensor):  # e.g. a tensor from a generation config
         eos_token_id = eos_token_id.reshape(-1).tolist()
-    single = _as_int(eos_token_id)
+    single = as_int(eos_token_id)
     if single is not None:
         raw = [eos_token_id]
     elif isinstance(eos_token_id, Sequence) and not isinstance(eos_token_id, (str, bytes)):
         raw = list(eos_token_id)
     else:
         raise TypeError(f"eos_token_id must be an int or a list of ints, got {type(eos_token_id).__name__}")
-    ids = [_as_int(token) for token in raw]
+    ids = [as_int(token) for token in raw]
     if any(token is None or not 0 <= token < vocab for token in ids):
         raise ValueError(f"eos_token_id must be an int or list of ints in [0, {vocab}), got {eos_token_id!r}")
     return ids
@@ -179,7 +170,7 @@ def _sliding_window(model: torch.nn.Module) -> int | None:
     """The attention window of a model whose config uses sliding-window attention in some layer, else None."""
     config = getattr(model, "config", None)
     window = getattr(config, "sliding_window", None)
-    if _as_int(window) is None or window <= 0 or getattr(config, "use_sliding_window", True) is False:
+    if as_int(window) is None or window <= 0 or getattr(config, "use_sliding_window", True) is False:
         return None
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and not any("sliding" in str(kind) for kind in layer_types):

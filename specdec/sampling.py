@@ -190,13 +190,14 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
         raise ValueError(f"top_k must be an integer >= 0 (0 = no limit), got {top_k!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1] (1 = no limit), got {top_p!r}")
-    return filter_logits_unchecked(logits, top_k, top_p)
+    out = filter_logits_unchecked(logits, top_k, top_p)
+    return out.clone() if out is logits else out  # (a new tensor, as documented; generate's own calls skip the copy)
 
 
 def filter_logits_unchecked(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """:func:`filter_logits` without argument checks, for callers that validated ``top_k`` and ``top_p`` once
-    (``generate`` filters at every step). Never returns ``logits`` itself (a float32 input is copied)."""
-    out = logits.to(torch.float32, copy=True)
+    (``generate`` filters at every step). May return ``logits`` itself when it is float32 and nothing is filtered."""
+    out = logits.float()
     vocab = out.shape[-1]
     if 0 < top_k < vocab:
         kth = torch.topk(out, top_k, dim=-1).values[..., -1:]
