@@ -21,11 +21,10 @@ setup(
         "safetensors>=0.4",
         "tokenizers>=0.19",
         "matplotlib>=3.7",
-        "scipy>=1.10",
     ],
     extras_require={
-        "test": ["pytest>=7", "hypothesis>=6", "ruff>=0.5"],
-        "bench": ["pytest-benchmark>=4", "pandas>=2"],
+        "test": ["pytest>=7", "ruff>=0.5"],
+        "bench": ["pytest-benchmark>=4"],
     },
     entry_points={"console_scripts": ["specdec=specdec.cli:main"]},
 )
