@@ -1,4 +1,4 @@
-"""Per-task disparity of speculative decoding: measurement, bounds and report (DESIGN.md, "The mathematics").
+"""Per-task disparity of speculative decoding: measurement and bounds (DESIGN.md, "The mathematics").
 
 For each task T (a set of reference texts and/or prompts) :func:`evaluate` measures, with p the verifier and q the
 drafter after the same temperature, averaged over all prefixes s of the task's texts (teacher forcing):
@@ -14,6 +14,10 @@ Across tasks: ``U = (1/m) sum_i (K_i - Kbar)^2`` on K_T (and on D_T, TV_T), spre
 correlation of fitness with speed-up, and per-character figures when a tokenizer is given. The DESIGN bounds
 ``E_s S(alpha(s)) >= S(1 - TV_T) >= S(max(0, 1 - sqrt(D_T / 2)))`` and the triangle bounds
 ``1 - r_q - r_p <= alpha_T <= 1 - r_q + r_p`` are checked; violations are recorded, never raised.
+
+The per-prefix measurements live in :mod:`specdec.teacher_forcing` and the report (:class:`FairnessReport`,
+:class:`TaskFairness`, markdown, JSON, PNG) in :mod:`specdec.fairness_report`; their public names are importable from
+here too.
 """
 
 from __future__ import annotations
@@ -22,13 +26,43 @@ import math
 import statistics
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from specdec._models import check_model_pair, model_device, model_vocab_size
+from specdec.fairness_report import FairnessReport, TaskFairness
 from specdec.metrics import expected_tokens_per_call, speedup, speedup_lower_bounds
+from specdec.teacher_forcing import (
+    TokenDivergences,
+    decoded_length,
+    divergences_from_logits,
+    encode_items,
+    pad_batch,
+    prefix_logits,
+    prefix_rows,
+    task_divergences,
+    token_divergences,
+)
+
+__all__ = [
+    "FairnessReport",
+    "TaskData",
+    "TaskFairness",
+    "TokenDivergences",
+    "divergences_from_logits",
+    "encode_items",
+    "evaluate",
+    "measure_cost_ratio",
+    "pad_batch",
+    "prefix_logits",
+    "prefix_rows",
+    "spearman",
+    "task_divergences",
+    "token_divergences",
+    "unfairness",
+]
 
 _BOUND_TOL = 1e-5
 
@@ -71,202 +105,6 @@ def _as_task_data(name: str, value: object) -> TaskData:
     if data.prompts is None and data.texts is None:
         raise ValueError(f"tasks[{name!r}] has neither prompts nor texts")
     return data
-
-
-def _text_length(tokenizer: Any, ids: list[int]) -> int:
-    """Characters of the text ``ids`` decode to, special tokens (bos, eos, pad) left out; a tokenizer whose
-    ``decode`` has no ``skip_special_tokens`` is trusted to leave them out itself."""
-    try:
-        return len(tokenizer.decode(ids, skip_special_tokens=True))
-    except TypeError:
-        return len(tokenizer.decode(ids))
-
-
-def encode_items(items: Sequence[str] | Sequence[Sequence[int]], tokenizer: Any, name: str,
-                 add_special_tokens: bool = False,
-                 vocab: int | None = None) -> tuple[list[list[int]], list[int | None]]:
-    """Token ids and character counts of a list of texts or token-id lists.
-
-    Strings are encoded with ``tokenizer.encode(text, add_special_tokens=...)``; token-id lists pass through (their
-    character count comes from ``tokenizer.decode(..., skip_special_tokens=True)`` when a tokenizer is given, else
-    None).
-    Returns ``(token_lists, char_counts)``. With ``vocab``, ids outside ``[0, vocab)`` raise ValueError.
-    """
-    token_lists: list[list[int]] = []
-    chars: list[int | None] = []
-    for index, item in enumerate(items):
-        if isinstance(item, str):
-            if tokenizer is None:
-                raise ValueError(f"{name}[{index}] is a string: pass tokenizer= to encode text "
-                                 "(or give token-id lists)")
-            ids = list(tokenizer.encode(item, add_special_tokens=add_special_tokens))
-            chars.append(len(item))
-        elif isinstance(item, (Sequence, torch.Tensor)) and not isinstance(item, bytes):
-            ids = item.tolist() if isinstance(item, torch.Tensor) else list(item)
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise TypeError(f"{name}[{index}] must be a string or a list of int token ids")
-            chars.append(_text_length(tokenizer, ids) if tokenizer is not None else None)
-        else:
-            raise TypeError(f"{name}[{index}] must be a string or a list of int token ids, got {type(item).__name__}")
-        if vocab is not None and ids and not 0 <= min(ids) <= max(ids) < vocab:
-            raise ValueError(f"{name}[{index}] has token ids outside [0, {vocab}) (the models' shared vocabulary): "
-                             f"min {min(ids)}, max {max(ids)}")
-        token_lists.append(ids)
-    return token_lists, chars
-
-
-def pad_batch(sequences: Sequence[Sequence[int]], pad_token_id: int = 0, side: str = "right",
-              device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad token lists into ``input_ids`` [B, L] int64 and ``attention_mask`` [B, L] int64 (1 = real token)."""
-    if side not in ("left", "right"):
-        raise ValueError(f"side must be 'left' or 'right', got {side!r}")
-    length = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.int64)
-    mask = torch.zeros((len(sequences), length), dtype=torch.int64)
-    for row, seq in enumerate(sequences):
-        if not seq:
-            continue
-        sl = slice(length - len(seq), length) if side == "left" else slice(0, len(seq))
-        ids[row, sl] = torch.as_tensor(list(seq), dtype=torch.int64)
-        mask[row, sl] = 1
-    return ids.to(device), mask.to(device)
-
-
-# ----------------------------------------------------------------------------------------- per-token divergences
-def prefix_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token logits at every prefix with an observed next token.
-
-    Args:
-        input_ids, attention_mask: [B, L] right-padded batch.
-        vocab_size: keep only the first ``vocab_size`` logits (shared vocabulary).
-    Returns:
-        ``(logits [N, V], targets [N] int64)`` where row n is position t of row b with ``mask[b, t] = mask[b, t+1] =
-        1`` (row-major order) and ``targets`` the observed token ``input_ids[b, t+1]``. Logits keep the model's dtype.
-    """
-    out = model(input_ids=input_ids, attention_mask=attention_mask)
-    logits = out.logits[:, :-1]
-    if vocab_size is not None:
-        logits = logits[..., :vocab_size]
-    valid = (attention_mask[:, :-1] > 0) & (attention_mask[:, 1:] > 0)
-    return logits[valid], input_ids[:, 1:][valid]
-
-
-def prefix_rows(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[N] int64 batch row of every prefix selected by :func:`prefix_logits` (same order)."""
-    valid = (attention_mask[:, :-1] > 0) & (attention_mask[:, 1:] > 0)
-    rows = torch.arange(attention_mask.shape[0], device=attention_mask.device)[:, None].expand_as(valid)
-    return rows[valid]
-
-
-@dataclass
-class TokenDivergences:
-    """Per-prefix divergences, all [N] float32 on the CPU (one entry per prefix with an observed next token).
-
-    cross_entropy: H(p, q) = -sum p log q. kl: KL(p || q). tv: TV(p, q). alpha: sum min(p, q) (at temperature 0:
-    1[argmax p == argmax q], the greedy acceptance). entropy: H(p) = cross_entropy - kl. ref_q, ref_p: q(y|s), p(y|s)
-    of the observed next token y (at temperature 0: 1[argmax == y]).
-    """
-
-    cross_entropy: torch.Tensor
-    kl: torch.Tensor
-    tv: torch.Tensor
-    alpha: torch.Tensor
-    entropy: torch.Tensor
-    ref_q: torch.Tensor
-    ref_p: torch.Tensor
-
-    @staticmethod
-    def cat(parts: Sequence[TokenDivergences]) -> TokenDivergences:
-        names = [f.name for f in TokenDivergences.__dataclass_fields__.values()]
-        return TokenDivergences(**{n: torch.cat([getattr(p, n) for p in parts]) for n in names})
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.alpha.numel())
-
-    def means(self) -> dict[str, float]:
-        """Means over prefixes: K_T, D_T, TV_T, alpha_T, H_T(p), r_q = 1 - E q(y), r_p = 1 - E p(y)."""
-        def mean(t: torch.Tensor) -> float:
-            return float(t.double().mean()) if t.numel() else float("nan")
-
-        return {"cross_entropy": mean(self.cross_entropy), "kl": mean(self.kl), "tv": mean(self.tv),
-                "alpha": mean(self.alpha), "entropy": mean(self.entropy), "r_q": 1.0 - mean(self.ref_q),
-                "r_p": 1.0 - mean(self.ref_p)}
-
-
-def divergences_from_logits(verifier_logits: torch.Tensor, drafter_logits: torch.Tensor, targets: torch.Tensor,
-                            temperature: float = 1.0, backend: str = "auto") -> TokenDivergences:
-    """:class:`TokenDivergences` from [N, V] logits and [N] observed next tokens, through
-    :func:`specdec.divergences.divergence` (fused kernel on CUDA). Temperature 0 (greedy) computes CE/KL/TV at
-    temperature 1 and the greedy acceptance ``1[argmax p == argmax q]``."""
-    from specdec.divergences import divergence
-
-    div_temp = temperature if temperature > 0 else 1.0
-    div = divergence(verifier_logits, drafter_logits, temperature=div_temp, backend=backend)
-    if temperature > 0:
-        alpha = div.alpha.float()
-        ref_q = torch.softmax(drafter_logits.float() / temperature, -1).gather(-1, targets[:, None])[:, 0]
-        ref_p = torch.softmax(verifier_logits.float() / temperature, -1).gather(-1, targets[:, None])[:, 0]
-    else:
-        arg_p, arg_q = verifier_logits.argmax(-1), drafter_logits.argmax(-1)
-        alpha = (arg_p == arg_q).float()
-        ref_q, ref_p = (arg_q == targets).float(), (arg_p == targets).float()
-    cross_entropy, kl = div.cross_entropy.float(), div.kl.float()
-    entropy = cross_entropy - kl  # H(p) = H(p, q) - KL(p || q), both from the one fused pass
-    undefined = ~torch.isfinite(entropy)  # q = 0 where p > 0: H(p, q) = KL = +inf, while H(p) is finite
-    if bool(undefined.any()):
-        p = torch.softmax(verifier_logits[undefined].float() / div_temp, -1)
-        entropy[undefined] = torch.special.entr(p).sum(-1)
-    return TokenDivergences(cross_entropy=cross_entropy.cpu(), kl=kl.cpu(), tv=div.tv.float().cpu(),
-                            alpha=alpha.cpu(), entropy=entropy.cpu(), ref_q=ref_q.float().cpu(),
-                            ref_p=ref_p.float().cpu())
-
-
-@torch.no_grad()
-def token_divergences(verifier: torch.nn.Module, drafter: torch.nn.Module, input_ids: torch.Tensor,
-                      attention_mask: torch.Tensor | None = None, *, temperature: float = 1.0, backend: str = "auto",
-                      vocab_size: int | None = None) -> TokenDivergences:
-    """Teacher-forced per-prefix divergences of one right-padded batch ``input_ids`` [B, L] (int64).
-
-    Both models run once on the batch (no grad; their train/eval mode is left as it is). ``vocab_size`` restricts
-    the logits to a shared id range (default: the smaller of the two output sizes).
-    """
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    if vocab_size is None:
-        vocab_size = min(model_vocab_size(verifier), model_vocab_size(drafter))
-    v_logits, targets = prefix_logits(verifier, input_ids, attention_mask, vocab_size)
-    d_logits, _ = prefix_logits(drafter, input_ids, attention_mask, vocab_size)
-    return divergences_from_logits(v_logits, d_logits, targets, temperature=temperature, backend=backend)
-
-
-def task_divergences(verifier: torch.nn.Module, drafter: torch.nn.Module,
-                     task_tokens: Mapping[str, Sequence[Sequence[int]]], *, batch_size: int = 8,
-                     temperature: float = 1.0, backend: str = "auto", max_length: int | None = None,
-                     pad_token_id: int = 0, vocab_size: int | None = None) -> dict[str, TokenDivergences]:
-    """Per-task :class:`TokenDivergences` over every prefix of every token list of each task.
-
-    Args:
-        task_tokens: task name -> list of token-id lists (each truncated to its first ``max_length`` tokens).
-        batch_size: sequences per forward pass.
-    Returns:
-        task name -> per-prefix divergences (CPU float32 tensors); use ``.means()`` for K_T, D_T, TV_T, alpha_T, ...
-    """
-    device = model_device(verifier)
-    result: dict[str, TokenDivergences] = {}
-    for name, seqs in task_tokens.items():
-        seqs = [list(s)[:max_length] if max_length else list(s) for s in seqs]
-        seqs = [s for s in seqs if len(s) >= 2]
-        if not seqs:
-            raise ValueError(f"task {name!r} has no text of at least 2 tokens (nothing to teacher-force)")
-        parts = []
-        for start in range(0, len(seqs), batch_size):
-            ids, mask = pad_batch(seqs[start:start + batch_size], pad_token_id, "right", device)
-            parts.append(token_divergences(verifier, drafter, ids, mask, temperature=temperature, backend=backend,
-                                           vocab_size=vocab_size))
-        result[name] = TokenDivergences.cat(parts)
-    return result
 
 
 # ------------------------------------------------------------------------------------------------- aggregates
@@ -388,7 +226,7 @@ def _generation_figures(verifier: torch.nn.Module, drafter: torch.nn.Module, pro
             width = ids.shape[1]
             for row in range(len(chunk)):
                 new = out.sequences[row, width:width + int(stats.generated[row])].tolist()
-                chars += _text_length(tokenizer, new)  # an emitted eos is no text
+                chars += decoded_length(tokenizer, new)  # an emitted eos is no text
     tokens_per_call = generated / calls if calls else float("nan")
     return {
         "num_prompts": len(prompts), "generated_tokens": generated,
@@ -398,155 +236,6 @@ def _generation_figures(verifier: torch.nn.Module, drafter: torch.nn.Module, pro
         "chars_per_call": chars / calls if (tokenizer is not None and calls) else None,
         "gen_chars_per_token": chars / generated if (tokenizer is not None and generated) else None,
     }
-
-
-# ---------------------------------------------------------------------------------------------------- report
-@dataclass
-class TaskFairness:
-    """One task's row of the report. None where the input needed for a figure was not given.
-
-    Teacher-forced (texts): alpha (alpha_T), speedup (S(alpha_T)), speedup_prefix_mean (E_s S(alpha(s))),
-    cross_entropy (K_T), kl (D_T), tv (TV_T), entropy (H_T(p)), r_q, r_p, fitness (1 - r_q), bound_tv
-    (S(1 - TV_T)), bound_pinsker (S(max(0, 1 - sqrt(D_T/2)))), chars_per_token, char_speedup. At temperature 0
-    the divergences are taken at T = 1 and bound no greedy speed-up: bound_tv and bound_pinsker stay None.
-    Generation (prompts): alpha_measured (accepted / tested drafts: a draft after a rejection is never tested, so
-    this estimates alpha), acceptance_rate (accepted / drafted, the raw counter ratio), tokens_per_call (measured),
-    tokens_per_call_predicted (E[N] from alpha_T), speedup_measured (tokens_per_call / (K c + 1)), chars_per_call,
-    char_speedup_measured.
-    """
-
-    name: str
-    num_texts: int = 0
-    num_tokens: int = 0
-    alpha: float | None = None
-    speedup: float | None = None
-    speedup_prefix_mean: float | None = None
-    cross_entropy: float | None = None
-    kl: float | None = None
-    tv: float | None = None
-    entropy: float | None = None
-    r_q: float | None = None
-    r_p: float | None = None
-    fitness: float | None = None
-    bound_tv: float | None = None
-    bound_pinsker: float | None = None
-    chars_per_token: float | None = None
-    char_speedup: float | None = None
-    num_prompts: int = 0
-    alpha_measured: float | None = None
-    acceptance_rate: float | None = None
-    tokens_per_call: float | None = None
-    tokens_per_call_predicted: float | None = None
-    speedup_measured: float | None = None
-    chars_per_call: float | None = None
-    char_speedup_measured: float | None = None
-
-
-@dataclass
-class FairnessReport:
-    """Result of :func:`evaluate`: ``tasks`` (one :class:`TaskFairness` per task), ``summary`` (cross-task figures,
-    settings and ``bound_violations``)."""
-
-    tasks: list[TaskFairness]
-    summary: dict[str, Any] = field(default_factory=dict)
-
-    def task(self, name: str) -> TaskFairness:
-        for row in self.tasks:
-            if row.name == name:
-                return row
-        raise KeyError(name)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-serialisable dict: ``{"tasks": [row dicts], "summary": {...}}``."""
-        return {"tasks": [asdict(row) for row in self.tasks], "summary": dict(self.summary)}
-
-    def to_markdown(self) -> str:
-        """Per-task table, then the cross-task summary and any bound violations."""
-        def fmt(value: object) -> str:
-            if value is None:
-                return "–"
-            if isinstance(value, float):
-                return "nan" if math.isnan(value) else f"{value:.4g}"
-            return str(value)
-
-        columns = [("task", "name"), ("α_T", "alpha"), ("S_T", "speedup"), ("K_T (CE)", "cross_entropy"),
-                   ("D_T (KL)", "kl"), ("TV_T", "tv"), ("H_T(p)", "entropy"), ("r_q", "r_q"), ("r_p", "r_p"),
-                   ("S(1−TV)", "bound_tv"), ("S Pinsker", "bound_pinsker"), ("α gen", "alpha_measured"),
-                   ("tok/call", "tokens_per_call"), ("chars/call", "chars_per_call"),
-                   ("char S_T", "char_speedup")]
-        columns = [c for c in columns if c[1] == "name" or any(getattr(r, c[1]) is not None for r in self.tasks)]
-        lines = ["| " + " | ".join(c[0] for c in columns) + " |", "|" + "---|" * len(columns)]
-        for row in self.tasks:
-            lines.append("| " + " | ".join(fmt(getattr(row, c[1])) for c in columns) + " |")
-        s = self.summary
-        lines += ["", f"K = {s.get('num_draft_tokens')}, cost ratio c = {fmt(s.get('cost_ratio'))} "
-                  f"({'measured' if s.get('cost_ratio_measured') else 'given'}), temperature = {s.get('temperature')}",
-                  ""]
-        keys = ["U_ce", "U_kl", "U_tv", "alpha_mean", "alpha_min", "alpha_max", "alpha_max_over_min", "alpha_std",
-                "speedup_mean", "speedup_min", "speedup_max", "speedup_max_over_min", "speedup_std", "worst_task",
-                "spearman_fitness_speedup", "alpha_measured_mean", "alpha_measured_min", "char_speedup_max_over_min",
-                "chars_per_call_max_over_min"]
-        lines += [f"- {k}: {fmt(s[k])}" for k in keys if k in s]
-        violations = s.get("bound_violations", [])
-        if violations:
-            lines.append(f"- bounds checked: {len(violations)} violated")
-        elif s.get("bounds_checked", False):
-            lines.append("- bounds checked: all hold")
-        else:
-            lines.append("- bounds checked: not checked (greedy decoding, or no task with texts)")
-        lines += [f"  - {v}" for v in violations]
-        return "\n".join(lines) + "\n"
-
-    def plot(self, path: str) -> str:
-        """PNG with per-task bars of alpha, speed-up (with its bounds) and K_T = H_T(p) + D_T, and a scatter of
-        drafter fitness (1 - r_q) against speed-up. Returns ``path``."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        names = [r.name for r in self.tasks]
-        x = list(range(len(names)))
-
-        def vals(attr: str) -> list[float]:
-            return [float("nan") if getattr(r, attr) is None else float(getattr(r, attr)) for r in self.tasks]
-
-        fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-        ax = axes[0, 0]
-        ax.bar([i - 0.2 for i in x], vals("alpha"), 0.4, label="α_T (teacher-forced)")
-        ax.bar([i + 0.2 for i in x], vals("alpha_measured"), 0.4, label="α (generation)")
-        ax.set_title("acceptance α per task")
-        ax.set_ylim(0, 1)
-        ax.legend(fontsize=8)
-        ax = axes[0, 1]
-        for offset, attr, label in ((-0.3, "speedup", "S(α_T)"), (-0.1, "bound_tv", "S(1−TV_T)"),
-                                    (0.1, "bound_pinsker", "S(1−√(D_T/2))"), (0.3, "speedup_measured", "measured")):
-            ax.bar([i + offset for i in x], vals(attr), 0.2, label=label)
-        ax.set_title("speed-up per task")
-        ax.legend(fontsize=8)
-        ax = axes[1, 0]
-        entropy, kl = vals("entropy"), vals("kl")
-        ax.bar(x, entropy, 0.6, label="H_T(p)")
-        ax.bar(x, kl, 0.6, bottom=entropy, label="D_T (KL)")
-        ax.set_title("K_T = H_T(p) + D_T (nats)")
-        ax.legend(fontsize=8)
-        for ax in (axes[0, 0], axes[0, 1], axes[1, 0]):
-            ax.set_xticks(x)
-            ax.set_xticklabels(names, rotation=45, ha="right", fontsize=8)
-        ax = axes[1, 1]
-        fit, spd = vals("fitness"), vals("speedup")
-        ax.scatter(fit, spd)
-        for name, fx, sy in zip(names, fit, spd, strict=True):
-            ax.annotate(name, (fx, sy), fontsize=8)
-        rho = self.summary.get("spearman_fitness_speedup")
-        ax.set_title(f"drafter fitness vs speed-up (Spearman {rho:.2f})" if rho is not None
-                     else "drafter fitness vs speed-up")
-        ax.set_xlabel("fitness 1 − r_q")
-        ax.set_ylabel("S_T")
-        fig.tight_layout()
-        fig.savefig(path, format="png", dpi=100)
-        plt.close(fig)
-        return path
 
 
 def _check_bounds(row: TaskFairness, temperature: float) -> list[str]:

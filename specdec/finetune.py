@@ -33,15 +33,9 @@ from typing import Any
 import torch
 
 from specdec._models import check_model_pair, model_device, model_vocab_size
-from specdec.fairness import (
-    encode_items,
-    pad_batch,
-    prefix_logits,
-    prefix_rows,
-    task_divergences,
-    unfairness,
-)
+from specdec.fairness import unfairness
 from specdec.losses import scdf_weights, token_weights_unchecked
+from specdec.teacher_forcing import encode_items, pad_batch, prefix_logits, prefix_rows, task_divergences
 
 METHODS = ("scdf", "exact_variance", "uniform_kd", "balanced")
 WEIGHT_BASES = ("ce", "kl", "tv")
