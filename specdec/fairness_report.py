@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -15,6 +16,13 @@ def format_number(value: object) -> str:
     if isinstance(value, float):
         return "nan" if math.isnan(value) else f"{value:.4g}"
     return str(value)
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    """The lines of a markdown table; cells go through :func:`format_number`."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(format_number(cell) for cell in row) + " |" for row in rows]
+    return lines
 
 
 @dataclass
@@ -81,9 +89,7 @@ class FairnessReport:
                    ("tok/call", "tokens_per_call"), ("chars/call", "chars_per_call"),
                    ("char S_T", "char_speedup")]
         columns = [c for c in columns if c[1] == "name" or any(getattr(r, c[1]) is not None for r in self.tasks)]
-        lines = ["| " + " | ".join(c[0] for c in columns) + " |", "|" + "---|" * len(columns)]
-        for row in self.tasks:
-            lines.append("| " + " | ".join(format_number(getattr(row, c[1])) for c in columns) + " |")
+        lines = markdown_table([c[0] for c in columns], ([getattr(row, c[1]) for c in columns] for row in self.tasks))
         s = self.summary
         lines += ["", f"K = {s.get('num_draft_tokens')}, cost ratio c = {format_number(s.get('cost_ratio'))} "
                   f"({'measured' if s.get('cost_ratio_measured') else 'given'}), temperature = {s.get('temperature')}",

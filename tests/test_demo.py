@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec import demo
+from specdec import demo, demo_pair
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_ARTIFACTS = ("report.md", "report.json", "speedup_by_task.png", "fairness_before.png", "fairness_after_scdf.png",
@@ -61,7 +61,7 @@ def test_second_run_reuses_the_cached_pair(first_run, monkeypatch):
     def no_training(*args, **kwargs):
         raise AssertionError("the cached pair was retrained")
 
-    monkeypatch.setattr(demo, "train_language_model", no_training)
+    monkeypatch.setattr(demo_pair, "train_language_model", no_training)
     again = demo.run_demo(root / "report-2", cache_dir=root / "cache", quick=True, progress=False, echo=None,
                           baselines=True, cost_ratio=0.05)
     assert again.cache_hit and again.pair_dir == result.pair_dir

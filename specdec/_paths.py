@@ -1,0 +1,24 @@
+"""Where specdec lives on disk: the installed package and, when it runs from one, the source checkout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def source_checkout() -> Path | None:
+    """The repository root when specdec is imported from a source checkout (an editable install), else None."""
+    root = PACKAGE_DIR.parent
+    if (root / "setup.py").is_file() or (root / "pyproject.toml").is_file():
+        return root
+    return None
+
+
+def is_inside(path: Path, folder: Path) -> bool:
+    """``path`` is ``folder`` or below it (both resolved by the caller)."""
+    try:
+        path.relative_to(folder)
+    except ValueError:
+        return False
+    return True
