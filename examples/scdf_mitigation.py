@@ -48,12 +48,18 @@ def main(argv: list[str] | None = None) -> dict:
 
     from specdec.data import load_tasks
     from specdec.fairness import TaskData, evaluate, measure_cost_ratio
-    from specdec.finetune import METHODS, finetune_drafter
+    from specdec.finetune import METHODS, FinetuneConfig, finetune_drafter
 
     methods = args.methods.split(",")
     unknown = [m for m in methods if m != "none" and m not in METHODS]
     if unknown:
         parser.error(f"unknown --methods {unknown}; choose from none,{','.join(METHODS)}")
+    try:  # the training settings shared by every method, checked before any model is loaded
+        settings = FinetuneConfig(weight_basis=args.weight_basis, weight_floor=args.weight_floor, steps=args.steps,
+                                  batch_size_per_task=args.batch_size_per_task, seq_len=args.seq_len, lr=args.lr,
+                                  temperature=args.temperature, eval_every=args.eval_every, seed=args.seed)
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
     tasks = load_tasks(args.data)
     if args.tasks:
         wanted = args.tasks.split(",")
@@ -89,13 +95,11 @@ def main(argv: list[str] | None = None) -> dict:
         drafter = copy.deepcopy(drafter0)
         history = None
         if method != "none":
-            result = finetune_drafter(
-                drafter, verifier, train, tokenizer=tokenizer, method=method, weight_basis=args.weight_basis,
-                weight_floor=args.weight_floor, steps=args.steps, batch_size_per_task=args.batch_size_per_task,
-                seq_len=args.seq_len, lr=args.lr, temperature=args.temperature, eval_every=args.eval_every,
-                checkpoint_dir=os.path.join(args.checkpoint_dir, method) if args.checkpoint_dir else None,
-                seed=args.seed, add_special_tokens=not args.no_bos,
-                pad_token_id=getattr(tokenizer, "pad_token_id", None) or 0)
+            checkpoint_dir = os.path.join(args.checkpoint_dir, method) if args.checkpoint_dir else None
+            config = settings.replace(method=method, checkpoint_dir=checkpoint_dir)
+            result = finetune_drafter(drafter, verifier, train, config=config, tokenizer=tokenizer,
+                                      add_special_tokens=not args.no_bos,
+                                      pad_token_id=getattr(tokenizer, "pad_token_id", None) or 0)
             history = result.history
             if args.save_dir and rank == 0:
                 drafter.save_pretrained(os.path.join(args.save_dir, method))

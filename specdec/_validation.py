@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 from pathlib import Path
@@ -75,6 +76,27 @@ def check_int_range(value: object, name: str, low: int, high: int, *, allow_none
         raise ValueError(f"{name} must be {'None or ' if allow_none else ''}an int in [{low}, {bound}){note}, "
                          f"got {value!r}")
     return number
+
+
+def check_int_at_least(value: object, name: str, minimum: int, *, allow_none: bool = False) -> int | None:
+    """``value`` if it is a Python int (not a bool) >= ``minimum`` (or None when allowed), else ValueError naming
+    ``name``."""
+    if allow_none and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}{' or None' if allow_none else ''}, got {value!r}")
+    return value
+
+
+def check_number(value: object, name: str, minimum: float, *, strict: bool = False) -> float:
+    """``value`` as a float if it is a finite number >= ``minimum`` (> with ``strict``); TypeError for a non-number,
+    ValueError otherwise, both naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value < minimum or (strict and value == minimum):
+        raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} {minimum}, got {value}")
+    return value
 
 
 MIN_TEMPERATURE = 1e-6  # below this 1 / T times a logit can overflow float32; use 0 (greedy) instead

@@ -336,8 +336,12 @@ def command_evaluate(args: argparse.Namespace) -> int:
 
 def command_finetune(args: argparse.Namespace) -> int:
     """Finetune the drafter with s-CDF or a baseline and save it (with the tokenizer) to ``--output``."""
-    from specdec.finetune import finetune_drafter
+    from specdec.finetune import FinetuneConfig, finetune_drafter
 
+    config = FinetuneConfig(method=args.method, weight_basis=args.weight_basis, weight_floor=args.weight_floor,
+                            steps=args.steps, batch_size_per_task=args.batch_size_per_task, seq_len=args.seq_len,
+                            lr=args.lr, eval_every=args.eval_every, checkpoint_dir=args.checkpoint_dir,
+                            resume=not args.no_resume, seed=args.seed)
     tasks = _load_tasks(args.tasks, args.max_examples)
     texts = {name: list(task.texts or task.prompts) for name, task in tasks.items()}
     eval_texts = None
@@ -351,11 +355,8 @@ def command_finetune(args: argparse.Namespace) -> int:
         _check_output_folder(args.checkpoint_dir, "--checkpoint-dir")
     verifier, drafter, tokenizer = _load_pair(args)
     result = finetune_drafter(
-        drafter, verifier, texts, tokenizer=tokenizer, method=args.method, weight_basis=args.weight_basis,
-        weight_floor=args.weight_floor, steps=args.steps, batch_size_per_task=args.batch_size_per_task,
-        seq_len=args.seq_len, lr=args.lr, eval_every=args.eval_every, checkpoint_dir=args.checkpoint_dir,
-        resume=not args.no_resume, seed=args.seed, progress=not args.no_progress, eval_tasks=eval_texts,
-        add_special_tokens=not args.no_special_tokens,
+        drafter, verifier, texts, config=config, tokenizer=tokenizer, progress=not args.no_progress,
+        eval_tasks=eval_texts, add_special_tokens=not args.no_special_tokens,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         vocab_size=_shared_vocab_size(verifier, drafter, tokenizer),
     )

@@ -232,7 +232,7 @@ def run_demo(
         :class:`DemoResult`.
     """
     from specdec.fairness import evaluate
-    from specdec.finetune import finetune_drafter
+    from specdec.finetune import FinetuneConfig, finetune_drafter
 
     say = echo or (lambda _text: None)
     timings: dict[str, float] = {}
@@ -290,13 +290,12 @@ def run_demo(
 
     def finetuned(method: str) -> tuple[Any, Any]:
         drafter = copy.deepcopy(pair.drafter)
-        result = finetune_drafter(
-            drafter, pair.verifier, train_texts, tokenizer=pair.tokenizer, method=method, weight_basis="ce",
-            steps=settings.finetune_steps, batch_size_per_task=settings.finetune_batch_size_per_task,
-            seq_len=settings.finetune_seq_len, lr=settings.finetune_lr, eval_every=None, seed=seed,
-            progress=progress, eval_tasks=held_out_texts, add_special_tokens=True,
-            pad_token_id=pair.tokenizer.pad_token_id,
-        )
+        config = FinetuneConfig(method=method, weight_basis="ce", steps=settings.finetune_steps,
+                                batch_size_per_task=settings.finetune_batch_size_per_task,
+                                seq_len=settings.finetune_seq_len, lr=settings.finetune_lr, eval_every=None, seed=seed)
+        result = finetune_drafter(drafter, pair.verifier, train_texts, config=config, tokenizer=pair.tokenizer,
+                                  progress=progress, eval_tasks=held_out_texts, add_special_tokens=True,
+                                  pad_token_id=pair.tokenizer.pad_token_id)
         drafter.eval()
         return result, evaluate(pair.verifier, drafter, eval_tasks, **evaluation)
 

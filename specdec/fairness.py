@@ -257,13 +257,6 @@ def _check_bounds(row: TaskFairness, temperature: float) -> list[str]:
     return violations
 
 
-def _check_positive_int(value: object, name: str, allow_none: bool = False) -> None:
-    if allow_none and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1{' or None' if allow_none else ''}, got {value!r}")
-
-
 def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
              tasks: Mapping[str, TaskData | Mapping[str, Any] | Sequence[Any]], *, tokenizer: Any = None,
              num_draft_tokens: int = 4, temperature: float = 1.0, max_new_tokens: int = 32, batch_size: int = 8,
@@ -291,18 +284,18 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
     Returns:
         :class:`FairnessReport`.
     """
-    from specdec._validation import check_backend, check_int_range, check_temperature
+    from specdec._validation import check_backend, check_int_at_least, check_int_range, check_temperature
 
     check_model_pair(verifier, drafter)
     if not isinstance(tasks, Mapping):
         raise TypeError(f"tasks must be a mapping from task name to TaskData, got {type(tasks).__name__}")
     if len(tasks) == 0:
         raise ValueError("tasks must contain at least one task")
-    _check_positive_int(num_draft_tokens, "num_draft_tokens")
-    _check_positive_int(max_new_tokens, "max_new_tokens")
-    _check_positive_int(batch_size, "batch_size")
-    _check_positive_int(max_examples, "max_examples", allow_none=True)
-    _check_positive_int(max_length, "max_length", allow_none=True)
+    for name, value in (("num_draft_tokens", num_draft_tokens), ("max_new_tokens", max_new_tokens),
+                        ("batch_size", batch_size)):
+        check_int_at_least(value, name, 1)
+    check_int_at_least(max_examples, "max_examples", 1, allow_none=True)
+    check_int_at_least(max_length, "max_length", 1, allow_none=True)
     temperature = check_temperature(temperature)
     check_backend(backend)
     if cost_ratio is not None and (isinstance(cost_ratio, bool) or not isinstance(cost_ratio, (int, float))

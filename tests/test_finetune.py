@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import copy
+import dataclasses
 import os
+import re
 import shutil
 
 import pytest
@@ -11,7 +14,14 @@ import torch
 import torch.multiprocessing as mp
 from transformers import LlamaForCausalLM
 
-from specdec.finetune import CHECKPOINT_NAME, CheckpointError, finetune_drafter, load_checkpoint, save_checkpoint
+from specdec.finetune import (
+    CHECKPOINT_NAME,
+    CheckpointError,
+    FinetuneConfig,
+    finetune_drafter,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 from models import tiny_llama as build_tiny_llama
 
@@ -76,6 +86,48 @@ def test_baselines_run(method):
     result = finetune_drafter(drafter, verifier, make_tasks(), method=method, weight_basis="tv",
                               **{**SMALL, "steps": 2})
     assert result.method == method and result.steps == 2
+
+
+def test_config_and_keywords_give_the_same_run():
+    settings = {key: value for key, value in SMALL.items() if key != "progress"}
+    verifier, drafter0 = make_pair()
+    by_keywords, by_config = copy.deepcopy(drafter0), copy.deepcopy(drafter0)
+    with_keywords = finetune_drafter(by_keywords, verifier, make_tasks(), method="balanced", weight_basis="kl",
+                                     progress=False, **settings)
+    config = FinetuneConfig(method="balanced", weight_basis="kl", **settings)
+    with_config = finetune_drafter(by_config, verifier, make_tasks(), config=config, progress=False)
+    assert weights_equal(by_keywords, by_config) and not weights_equal(by_config, drafter0)
+    assert with_keywords.losses == with_config.losses and with_keywords.history == with_config.history
+    assert with_keywords.config == with_config.config == config
+    assert (with_config.method, with_config.weight_basis) == ("balanced", "kl")
+
+
+def test_config_keywords_are_checked_by_name():
+    verifier, drafter = make_pair()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'stepz'.*did you mean 'steps'"):
+        finetune_drafter(drafter, verifier, make_tasks(), stepz=3)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'learning_speed'.*batch_size_per_task"):
+        finetune_drafter(drafter, verifier, make_tasks(), learning_speed=3)
+    with pytest.raises(TypeError, match="config= and the setting keyword.*lr, steps"):
+        finetune_drafter(drafter, verifier, make_tasks(), config=FinetuneConfig(), steps=3, lr=0.1)
+    with pytest.raises(TypeError, match="config must be a FinetuneConfig"):
+        finetune_drafter(drafter, verifier, make_tasks(), config={"steps": 3})
+    config = FinetuneConfig(steps=3)
+    assert config.replace(lr=0.5) == FinetuneConfig(steps=3, lr=0.5) and config.steps == 3
+    with pytest.raises(TypeError, match="'seq_length'.*did you mean 'seq_len'"):
+        config.replace(seq_length=8)
+    with pytest.raises(ValueError, match="lr"):
+        config.replace(lr=-1.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.steps = 4
+
+
+def test_config_docstring_documents_every_field_with_its_type_and_default():
+    attributes = FinetuneConfig.__doc__.split("Attributes:")[1].replace("``", "")
+    for f in dataclasses.fields(FinetuneConfig):
+        entry = re.search(rf"\n        {f.name} \(([^,]+), default ([^)]+)\): \S", attributes)
+        assert entry is not None, f"{f.name} is not documented"
+        assert entry.group(1) == f.type and ast.literal_eval(entry.group(2)) == f.default, f.name
 
 
 def test_scdf_weights_follow_the_basis():
@@ -281,6 +333,10 @@ def test_bad_inputs(kwargs, error, needle):
     tasks = kwargs.pop("tasks", make_tasks())
     with pytest.raises(error, match=needle):
         finetune_drafter(drafter, verifier, tasks, progress=False, **kwargs)
+    settings = {key: value for key, value in kwargs.items() if key in FinetuneConfig.__dataclass_fields__}
+    if settings:
+        with pytest.raises(error, match=needle):
+            FinetuneConfig(**settings)
     with pytest.raises(ValueError, match="different modules"):
         finetune_drafter(verifier, verifier, make_tasks(), progress=False)
     with pytest.raises(TypeError, match="drafter"):
