@@ -1,19 +1,17 @@
 """Lossless speculative decoding for any pair of Hugging Face causal LMs that share a vocabulary.
 
 One round: the drafter proposes K tokens autoregressively (K cheap forward calls), the verifier scores the pending
-tokens and all K drafts in one forward call, and :func:`specdec.rejection_sample` keeps a prefix of the drafts plus
+token and all K drafts in one forward call, and :func:`specdec.rejection_sample` keeps a prefix of the drafts plus
 one recovered/bonus token, so the output follows the verifier's own distribution exactly.
 
-Batching with ragged acceptance: all rows share one slot layout. After a round the common length grows by
-``max_b n_b + 1``; a row that accepted fewer drafts than the best row gets *holes* (attention-mask zeros) where its
-rejected drafts sat, and its recovered token goes into the first slot after the best row's accepted drafts. Position
-ids count only real tokens, so every row sees exactly its own sequence. Both KV caches are cropped back to the
-common length after every round (rejected tails are rolled back); the prompt is encoded once.
+Two paths run the rounds. The static path (``specdec._fast_decode``; the default on CUDA) keeps preallocated KV
+caches with one write position per row and replays each round from a CUDA graph. The eager path
+(``specdec._eager_decode``) uses the models' dynamic caches and runs anywhere; models the static path cannot handle
+fall back to it, and ``stats.fallback_reason`` says why.
 """
 
 from __future__ import annotations
 
-import inspect
 import numbers
 import time
 from collections.abc import Sequence
@@ -22,10 +20,12 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from specdec._draft_length import AUTO_DRAFT_LENGTHS
+from specdec._eager_decode import DecodeResult, decode_eager
+from specdec._fast_decode import Sampling, clear_engines, decode_static, get_engine
 from specdec._models import check_model_pair, model_device, model_vocab_size
+from specdec._slot_cache import fast_path_problem
 from specdec._validation import as_int, check_backend, check_int_range, check_temperature, check_tensor
-from specdec.kernels.rejection_sampling_reference import exponential_race
-from specdec.sampling import filter_logits_unchecked, rejection_sample_unchecked
 
 _DRAFT_STREAM_SALT = 0x5DEECE66D  # separates the drafter's random stream from the sampler's
 
@@ -38,6 +38,10 @@ class SpecDecodeStats:
     generated: tokens emitted into the output. verifier_calls / drafter_calls: forward calls while active.
     accepted_per_position / attempted_per_position: [B, K] counts of acceptance tests at draft position j.
     wall_time_s: wall-clock time of the whole call (device synchronised).
+    num_draft_tokens: K (the largest K for ``"auto"``). draft_lengths: the K of every round, in order.
+    path: ``"static"`` (slot caches, CUDA graphs on CUDA) or ``"eager"`` (dynamic caches).
+    fallback_reason: why the static path was not used, when it was asked for or would be the default; else None.
+    setup_time_s: graph capture and round timing paid by this call (about 0 when a previous call's are reused).
     """
 
     drafted: torch.Tensor
@@ -49,6 +53,10 @@ class SpecDecodeStats:
     attempted_per_position: torch.Tensor
     wall_time_s: float = 0.0
     num_draft_tokens: int = field(default=1)
+    draft_lengths: list[int] = field(default_factory=list)
+    path: str = "eager"
+    fallback_reason: str | None = None
+    setup_time_s: float = 0.0
 
     @property
     def acceptance_rate(self) -> torch.Tensor:
@@ -92,6 +100,10 @@ class SpecDecodeStats:
             "acceptance_per_position": self.total_acceptance_per_position.tolist(),
             "tokens_per_verifier_call": self.total_tokens_per_verifier_call,
             "wall_time_s": self.wall_time_s,
+            "path": self.path,
+            "fallback_reason": self.fallback_reason,
+            "setup_time_s": self.setup_time_s,
+            "mean_draft_length": sum(self.draft_lengths) / max(len(self.draft_lengths), 1),
         }
 
 
@@ -102,43 +114,6 @@ class GenerateOutput:
 
     sequences: torch.Tensor
     stats: SpecDecodeStats
-
-
-class _ModelRunner:
-    """Calls one causal LM with its own KV cache, across transformers versions (cache kwarg name, crop semantics)."""
-
-    def __init__(self, model: torch.nn.Module, vocab_size: int):
-        from transformers import DynamicCache
-
-        self.model = model
-        self.vocab_size = vocab_size
-        params = inspect.signature(model.forward).parameters
-        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self.has_logits_to_keep = "logits_to_keep" in params
-        try:
-            self.cache = DynamicCache(config=model.config)
-        except TypeError:
-            self.cache = DynamicCache()
-        self.length = 0  # slots of the shared layout held in the cache
-        self.calls = 0
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                num_logits: int) -> torch.Tensor:
-        kwargs = {self.cache_kwarg: self.cache, "use_cache": True}
-        if self.has_logits_to_keep:
-            kwargs["logits_to_keep"] = num_logits
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
-        self.length += input_ids.shape[1]
-        self.calls += 1
-        return out.logits[:, -num_logits:, : self.vocab_size]
-
-    def crop(self, new_length: int) -> None:
-        if new_length >= self.length:
-            return
-        # A negative argument removes that many trailing tokens in every transformers version (4.x took an absolute
-        # length or a negative count; 5.x takes only the negative count).
-        self.cache.crop(new_length - self.length)
-        self.length = new_length
 
 
 def _check_int(value: object, name: str, minimum: int) -> int:
@@ -186,7 +161,7 @@ def generate(
     attention_mask: torch.Tensor | None = None,
     *,
     max_new_tokens: int = 128,
-    num_draft_tokens: int = 4,
+    num_draft_tokens: int | str = 4,
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
@@ -196,6 +171,7 @@ def generate(
     pad_token_id: int | None = None,
     vocab_size: int | None = None,
     progress: bool = False,
+    static: bool | None = None,
 ) -> GenerateOutput:
     """Speculative decoding whose output follows ``verifier`` exactly (greedy or sampled).
 
@@ -204,16 +180,24 @@ def generate(
             on the same device, sharing a vocabulary.
         input_ids: [B, L] int64 prompts, left-padded; attention_mask: [B, L] 0/1 (default: all ones).
         max_new_tokens: per-row cap on generated tokens (>= 1).
-        num_draft_tokens: K >= 1 drafts per round.
+        num_draft_tokens: K >= 0 drafts per round (0: plain decoding with the verifier alone), or ``"auto"``: K
+            chosen before every round from the measured acceptance and round times, among
+            ``(0, 1, 2, 3, 4, 6, 8)``, so that a drafter that is rarely accepted costs about nothing.
         temperature: 0 is greedy (a draft is accepted iff it is the verifier's argmax, ties to the lowest id);
             > 0 samples from ``softmax(filter(logits / T))`` where ``filter`` applies ``top_k`` then ``top_p``
             identically to both models.
-        eos_token_id: int or list; a row stops after emitting one. seed: makes sampling reproducible.
+        eos_token_id: int or list; a row stops after emitting one. seed: makes sampling reproducible (the two
+            paths draw from different random streams, so a seed reproduces a run of the same path).
         backend: rejection-sampler backend ("auto", "triton", "torch").
         pad_token_id: right-padding of finished rows (default: the first eos id, else 0).
         vocab_size: the number of real token ids (e.g. ``len(tokenizer)``), required when the two models' vocab
             sizes differ (padding rows); only ids below it are used.
         progress: show a tqdm bar over generated tokens.
+        static: the static path (preallocated per-row KV caches; on CUDA every round replayed from a CUDA graph,
+            captured once per model pair, batch size and cache size and reused by later calls). None (default): on
+            for CUDA inputs, off on the CPU. True asks for it anywhere (on the CPU without graphs); False uses the
+            eager path. A model the static path cannot run (attention other than sdpa/eager, sliding windows, a
+            capture error) falls back to the eager path with the reason in ``stats.fallback_reason``.
 
     Returns:
         :class:`GenerateOutput` with ``sequences`` [B, L + max generated] and ``stats``.
@@ -242,23 +226,31 @@ def generate(
         raise ValueError("input_ids must be left-padded: attention_mask[:, -1] is 0 in some row (tokenize with "
                          "padding_side='left'); generation continues from the last column")
     max_new_tokens = _check_int(max_new_tokens, "max_new_tokens", 1)
-    num_drafts = _check_int(num_draft_tokens, "num_draft_tokens", 1)
+    if isinstance(num_draft_tokens, str):
+        if num_draft_tokens != "auto":
+            raise ValueError(f"num_draft_tokens must be an integer >= 0 or 'auto', got {num_draft_tokens!r}")
+        draft_lengths = AUTO_DRAFT_LENGTHS
+    else:
+        draft_lengths = (_check_int(num_draft_tokens, "num_draft_tokens", 0),)
+    max_drafts = max(draft_lengths)
     temperature = check_temperature(temperature)
     top_k = _check_int(top_k, "top_k", 0)
     if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0.0 < float(top_p) <= 1.0:
         raise ValueError(f"top_p must be a float in (0, 1], got {top_p!r}")
     top_p = float(top_p)
-    # The two caches keep one slot layout for the whole batch: each round appends K + 1 slots and rows that accept
-    # fewer drafts leave masked slots behind. A sliding window counts slots, not tokens (and transformers' sliding
-    # cache layers cannot roll back past the window), so the window must hold every slot the call can create.
-    most_slots = prompt_len + max_new_tokens * (num_drafts + 1)
+    if static is not None and not isinstance(static, bool):
+        raise TypeError(f"static must be True, False or None, got {static!r}")
+    # The eager path's caches keep one slot layout for the whole batch: each round appends K + 1 slots and rows that
+    # accept fewer drafts leave masked slots behind. A sliding window counts slots, not tokens (and transformers'
+    # sliding cache layers cannot roll back past the window), so the window must hold every slot the call can create.
+    most_slots = prompt_len + max_new_tokens * (max_drafts + 1)
     for name, model in (("verifier", verifier), ("drafter", drafter)):
         window = _sliding_window(model)
         if window is not None and most_slots >= window:
             raise ValueError(
                 f"{name} uses sliding-window attention (window {window}); speculative decoding here needs prompt "
                 f"length + max_new_tokens * (num_draft_tokens + 1) = {prompt_len} + {max_new_tokens} * "
-                f"{num_drafts + 1} = {most_slots} below the window (shorten the prompt, max_new_tokens or "
+                f"{max_drafts + 1} = {most_slots} below the window (shorten the prompt, max_new_tokens or "
                 "num_draft_tokens)")
     check_backend(backend)
     verifier_vocab, drafter_vocab = model_vocab_size(verifier, "verifier"), model_vocab_size(drafter, "drafter")
@@ -278,11 +270,6 @@ def generate(
     pad_token_id = check_int_range(pad_token_id, "pad_token_id", 0, vocab, allow_none=True, note=" (vocab_size)")
     seed = check_int_range(seed, "seed", 0, 2**64, allow_none=True)
     pad = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
-    greedy = temperature == 0
-
-    def process(logits: torch.Tensor) -> torch.Tensor:
-        """Logits as the sampler sees them: raw for greedy, else filter(logits / T) in fp32."""
-        return logits.float() if greedy else filter_logits_unchecked(logits.float() / temperature, top_k, top_p)
 
     generator = torch.Generator(device="cpu")
     if seed is not None:
@@ -293,123 +280,77 @@ def generate(
     draft_seeds = row_seeds ^ _DRAFT_STREAM_SALT
 
     start_time = time.perf_counter()
-    verifier_run, drafter_run = _ModelRunner(verifier, vocab), _ModelRunner(drafter, vocab)
-    capacity = prompt_len + 2 * (max_new_tokens + num_drafts + 1)
-    seq = torch.full((batch, capacity), pad, dtype=torch.int64, device=device)
-    mask = torch.zeros((batch, capacity), dtype=torch.int64, device=device)
-    positions = torch.zeros((batch, capacity), dtype=torch.int64, device=device)
-    seq[:, :prompt_len] = input_ids
-    mask[:, :prompt_len] = attention_mask.to(torch.int64)
-    positions[:, :prompt_len] = (attention_mask.to(torch.int64).cumsum(dim=1) - 1).clamp(min=0)
-    next_position = attention_mask.to(torch.int64).sum(dim=1)  # [B] position id of the next real token
-    cur_len = prompt_len
-
-    out_tokens = torch.full((batch, max_new_tokens), pad, dtype=torch.int64, device=device)
-    generated = torch.zeros(batch, dtype=torch.int64, device=device)
-    finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    eos_tensor = torch.tensor(eos_ids, dtype=torch.int64, device=device)
-    stat = {name: torch.zeros(batch, dtype=torch.int64, device=device)
-            for name in ("drafted", "accepted", "verifier_calls", "drafter_calls")}
-    accepted_per_position = torch.zeros((batch, num_drafts), dtype=torch.int64, device=device)
-    attempted_per_position = torch.zeros((batch, num_drafts), dtype=torch.int64, device=device)
-    draft_index = torch.arange(num_drafts, device=device)
-    emit_index = torch.arange(num_drafts + 1, device=device)
-    rows = torch.arange(batch, device=device)
     bar = tqdm(total=batch * max_new_tokens, desc="specdec.generate", unit="tok", disable=not progress)
-
-    round_index = 0
-    while True:
-        active = ~finished
-        if cur_len + num_drafts + 1 > seq.shape[1]:
-            grow = seq.shape[1]
-            seq = torch.cat([seq, torch.full((batch, grow), pad, dtype=torch.int64, device=device)], dim=1)
-            mask = torch.cat([mask, torch.zeros((batch, grow), dtype=torch.int64, device=device)], dim=1)
-            positions = torch.cat([positions, torch.zeros((batch, grow), dtype=torch.int64, device=device)], dim=1)
-        stream_offset = torch.full((batch,), round_index * (num_drafts + 1), dtype=torch.int64, device=device)
-
-        # Draft K tokens; the drafter first absorbs every slot it has not seen yet.
-        draft_tokens = torch.empty((batch, num_drafts), dtype=torch.int64, device=device)
-        draft_logits = torch.empty((batch, num_drafts, vocab), dtype=torch.float32, device=device)
-        for j in range(num_drafts):
-            start, end = drafter_run.length, cur_len + j
-            logits = drafter_run.forward(seq[:, start:end], mask[:, :end], positions[:, start:end], 1)[:, -1]
-            processed = process(logits)
-            if greedy:
-                token = torch.argmax(processed, dim=-1)
-            else:
-                token = exponential_race(processed, draft_seeds, stream_offset + j)
-            draft_tokens[:, j] = token
-            draft_logits[:, j] = processed
-            seq[:, end] = token
-            mask[:, end] = active.to(torch.int64)
-            positions[:, end] = next_position + j
-
-        # Verify the pending slots and all K drafts in one call.
-        start, end = verifier_run.length, cur_len + num_drafts
-        target_logits = verifier_run.forward(seq[:, start:end], mask[:, :end], positions[:, start:end],
-                                             num_drafts + 1)
-        sampler_target_logits = process(target_logits)
-        # The sampler's inputs are built here (drafts in [0, V), shapes consistent), so only NaN needs checking:
-        # one fused reduction and one host sync per round instead of the public wrapper's several.
-        if bool(torch.isnan(sampler_target_logits).any() | torch.isnan(draft_logits).any()):
-            raise ValueError("a model produced NaN logits; refusing to turn NaN logits into tokens")
-        result = rejection_sample_unchecked(
-            sampler_target_logits, draft_logits, draft_tokens, 0.0 if greedy else 1.0, backend, row_seeds,
-            stream_offset,
-        )
-        num_accepted, new_tokens = result.num_accepted, result.tokens
-
-        # Emit: n + 1 tokens per active row, cut at eos and at max_new_tokens.
-        remaining = max_new_tokens - generated
-        emit = (emit_index[None] <= num_accepted[:, None]) & (emit_index[None] < remaining[:, None]) & active[:, None]
-        if eos_ids:
-            is_eos = torch.isin(new_tokens, eos_tensor) & emit
-            first_eos = torch.where(is_eos.any(dim=1), is_eos.to(torch.int64).argmax(dim=1), num_drafts + 1)
-            emit &= emit_index[None] <= first_eos[:, None]
-            hit_eos = is_eos.any(dim=1)
-        else:
-            hit_eos = torch.zeros_like(finished)
-        emit_count = emit.sum(dim=1)
-        emit_rows, emit_cols = emit.nonzero(as_tuple=True)
-        out_tokens[emit_rows, generated[emit_rows] + emit_cols] = new_tokens[emit_rows, emit_cols]
-        generated += emit_count
-
-        stat["drafted"] += active * num_drafts
-        stat["accepted"] += torch.where(active, num_accepted, 0)
-        stat["verifier_calls"] += active.to(torch.int64)
-        stat["drafter_calls"] += active * num_drafts
-        accepted_per_position += (draft_index[None] < num_accepted[:, None]) & active[:, None]
-        attempted_per_position += (draft_index[None] <= num_accepted[:, None]) & active[:, None]
-        bar.update(int(emit_count.sum()))
-
-        finished = finished | hit_eos | (generated >= max_new_tokens)
-        if bool(finished.all()):
-            break
-
-        # New common layout: accepted drafts stay, holes up to the best row, then the recovered/bonus token.
-        max_accepted = int(torch.where(active, num_accepted, 0).max())
-        hole = (draft_index[None] >= num_accepted[:, None]) & (draft_index[None] < max_accepted)
-        mask[:, cur_len: cur_len + num_drafts] *= (~hole).to(torch.int64)
-        new_slot = cur_len + max_accepted
-        seq[:, new_slot] = new_tokens[rows, num_accepted]
-        mask[:, new_slot] = (~finished).to(torch.int64)
-        positions[:, new_slot] = next_position + num_accepted
-        next_position = next_position + num_accepted + 1
-        cur_len = new_slot + 1
-        verifier_run.crop(new_slot)
-        drafter_run.crop(new_slot)
-        round_index += 1
-
+    use_static = device.type == "cuda" if static is None else static
+    reason = _static_problem(verifier, drafter, device) if use_static else None
+    result = None
+    if use_static and reason is None:
+        try:
+            result = _decode_static(verifier, drafter, input_ids, attention_mask, max_new_tokens, draft_lengths,
+                                    temperature, top_k, top_p, vocab, eos_ids, pad, backend, row_seeds, draft_seeds,
+                                    bar.update)
+        except _CaptureError as error:
+            reason = str(error)
+    if result is None:
+        result = decode_eager(verifier, drafter, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                              draft_lengths=draft_lengths, greedy=temperature == 0, temperature=temperature,
+                              top_k=top_k, top_p=top_p, vocab=vocab, eos_ids=eos_ids, pad=pad, backend=backend,
+                              row_seeds=row_seeds, draft_seeds=draft_seeds, on_emit=bar.update)
     bar.close()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     wall_time = time.perf_counter() - start_time
+    generated = result.generated
     max_generated = int(generated.max())
-    sequences = torch.cat([input_ids.to(torch.int64), out_tokens[:, :max_generated]], dim=1)
+    sequences = torch.cat([input_ids.to(torch.int64), result.tokens[:, :max_generated]], dim=1)
+    counters = result.counters
     stats = SpecDecodeStats(
-        drafted=stat["drafted"].cpu(), accepted=stat["accepted"].cpu(), generated=generated.cpu(),
-        verifier_calls=stat["verifier_calls"].cpu(), drafter_calls=stat["drafter_calls"].cpu(),
-        accepted_per_position=accepted_per_position.cpu(), attempted_per_position=attempted_per_position.cpu(),
-        wall_time_s=wall_time, num_draft_tokens=num_drafts,
+        drafted=counters["drafted"].cpu(), accepted=counters["accepted"].cpu(), generated=generated.cpu(),
+        verifier_calls=counters["verifier_calls"].cpu(), drafter_calls=counters["drafter_calls"].cpu(),
+        accepted_per_position=result.accepted_per_position[:, :max(max_drafts, 1)].cpu(),
+        attempted_per_position=result.attempted_per_position[:, :max(max_drafts, 1)].cpu(),
+        wall_time_s=wall_time, num_draft_tokens=max_drafts, draft_lengths=result.draft_lengths,
+        path="static" if use_static and reason is None else "eager", fallback_reason=reason,
+        setup_time_s=result.setup_seconds,
     )
     return GenerateOutput(sequences=sequences, stats=stats)
+
+
+class _CaptureError(RuntimeError):
+    """The static path could not set up its rounds for this model pair (the message is the one-line reason)."""
+
+
+def _static_problem(verifier: torch.nn.Module, drafter: torch.nn.Module, device: torch.device) -> str | None:
+    for name, model in (("verifier", verifier), ("drafter", drafter)):
+        problem = fast_path_problem(model, name)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _decode_static(verifier, drafter, input_ids, attention_mask, max_new_tokens, draft_lengths, temperature, top_k,
+                   top_p, vocab, eos_ids, pad, backend, row_seeds, draft_seeds, on_emit) -> DecodeResult:
+    """Runs the static path; a failure while building or capturing its rounds becomes a :class:`_CaptureError`."""
+    batch, prompt_len = input_ids.shape
+    max_drafts = max(draft_lengths)
+    device = input_ids.device
+    sampling = Sampling(greedy=temperature == 0, top_k=top_k, top_p=top_p)
+    use_graphs = device.type == "cuda"
+    try:
+        engine, _ = get_engine(verifier, drafter, batch, prompt_len + max_new_tokens + max_drafts + 1, vocab,
+                               max_drafts, len(eos_ids), device, backend, use_graphs)
+        for num_drafts in draft_lengths:
+            engine.step("round", num_drafts, sampling)
+    except (RuntimeError, TypeError, ValueError, AttributeError, NotImplementedError) as error:
+        clear_engines()
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise _CaptureError(f"static path unavailable ({type(error).__name__}: {first_line})") from error
+    run = decode_static(engine, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                        draft_lengths=draft_lengths, sampling=sampling, temperature=temperature, eos_ids=eos_ids,
+                        row_seeds=row_seeds, draft_seeds=draft_seeds, on_emit=on_emit)
+    index = torch.arange(max_new_tokens, device=device)
+    tokens = run.seq[:, prompt_len: prompt_len + max_new_tokens]
+    tokens = torch.where(index < run.generated[:, None], tokens, pad)
+    return DecodeResult(tokens.clone(), run.generated.clone(), {k: v.clone() for k, v in run.counters.items()},
+                        run.accepted_per_position.clone(), run.attempted_per_position.clone(), run.draft_lengths,
+                        run.setup_seconds)
