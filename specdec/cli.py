@@ -2,8 +2,9 @@
 
 Models are Hugging Face model ids or local folders and are always loaded offline (``local_files_only=True``,
 ``HF_HUB_OFFLINE=1``): nothing is downloaded. Exit codes: 0 success, 1 runtime error (unreadable file contents, a
-model that fails to load, no GPU for the benchmarks), 2 usage error (unknown option, bad value, missing file). Errors
-are one message on stderr, never a traceback (set ``SPECDEC_DEBUG=1`` to see it).
+model that fails to load, no GPU for the benchmarks), 2 usage error (unknown option, bad value, missing file, the
+benchmarks asked for without a source checkout). Errors are one message on stderr, never a traceback (set
+``SPECDEC_DEBUG=1`` to see it). ``bench`` lives in :mod:`specdec.cli_bench`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +19,6 @@ from typing import Any
 
 PROGRAM = "specdec"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-BENCHMARKS = {"rejection": "bench_rejection.py", "divergence": "bench_divergence.py"}
 
 
 class UsageError(Exception):
@@ -123,6 +122,21 @@ def _add_decoding_options(parser: argparse.ArgumentParser, *, temperature: float
     group.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
                        help="kernel backend: auto = Triton on CUDA, torch reference elsewhere (default: auto)")
     group.add_argument("--batch-size", type=_positive_int, default=8, help="prompts per batch (default: 8)")
+
+
+def _add_input_options(parser: argparse.ArgumentParser, what: str, *, progress: bool = True) -> None:
+    parser.add_argument("--no-special-tokens", action="store_true", help=f"do not add BOS etc. to {what}")
+    if progress:
+        parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _subcommand(commands: Any, name: str, handler: Any, *, help: str, description: str,
+                epilog: str) -> argparse.ArgumentParser:
+    """A subcommand's parser that runs ``handler(args)``."""
+    parser = commands.add_parser(name, help=help, description=description, epilog=epilog,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.set_defaults(handler=handler)
+    return parser
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -377,87 +391,6 @@ def command_finetune(args: argparse.Namespace) -> int:
     return 0
 
 
-def _benchmarks_dir(explicit: Path | None) -> Path:
-    if explicit is not None:
-        return explicit
-    checkout = Path(__file__).resolve().parent.parent / "benchmarks"
-    if checkout.is_dir():
-        return checkout
-    raise CommandError("the benchmark scripts were not found next to the installed package; run from a source "
-                       "checkout of specdec or pass --benchmarks-dir")
-
-
-def _cpu_smoke(quick_shapes: Sequence[tuple[int, int]] = ((64, 1024), (256, 4096))) -> None:
-    """Time the torch reference of each fused op on small CPU shapes (a smoke run, not a kernel benchmark)."""
-    import statistics
-    import time
-
-    import torch
-
-    from specdec.divergences import divergence
-    from specdec.sampling import rejection_sample
-
-    def median_ms(fn: Any, repeats: int = 5) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
-
-    generator = torch.Generator().manual_seed(0)
-    print("CPU smoke run of the torch references (no Triton kernels are timed):")
-    print("| op | rows | vocab | median ms |\n|---|---|---|---|")
-    for rows, vocab in quick_shapes:
-        verifier_logits = torch.randn(rows, vocab, generator=generator)
-        drafter_logits = verifier_logits + 0.7 * torch.randn(rows, vocab, generator=generator)
-        ms = median_ms(lambda v=verifier_logits, d=drafter_logits: divergence(v, d, backend="torch"))
-        print(f"| divergence | {rows} | {vocab} | {ms:.3f} |")
-        batch, drafts = max(rows // 8, 1), 4
-        target = torch.randn(batch, drafts + 1, vocab, generator=generator)
-        draft = target[:, :drafts] + 0.7 * torch.randn(batch, drafts, vocab, generator=generator)
-        tokens = torch.distributions.Categorical(logits=draft).sample()
-        ms = median_ms(lambda t=target, d=draft, x=tokens: rejection_sample(t, d, x, generator=generator,
-                                                                             backend="torch"))
-        print(f"| rejection_sample (B={batch}, K={drafts}) | {batch * drafts} | {vocab} | {ms:.3f} |")
-
-
-def command_bench(args: argparse.Namespace) -> int:
-    """Run the kernel microbenchmarks (GPU) as subprocesses, or a CPU smoke run of the references."""
-    import torch
-
-    if args.cpu_smoke:
-        if args.which != "all" or args.quick or args.dry_run or args.script_args:
-            raise UsageError("argument --cpu-smoke: takes no benchmark name, --quick, --dry-run or arguments after "
-                             "-- (it times the torch references on fixed small shapes)")
-        _cpu_smoke()
-        return 0
-    folder = _benchmarks_dir(args.benchmarks_dir)
-    names = list(BENCHMARKS) if args.which == "all" else [args.which]
-    commands = []
-    for name in names:
-        script = folder / BENCHMARKS[name]
-        if not script.is_file():
-            raise CommandError(f"benchmark script not found: {script}")
-        command = [sys.executable, str(script)] + (["--quick"] if args.quick else []) + list(args.script_args)
-        commands.append(command)
-    if args.dry_run:
-        for command in commands:
-            print(" ".join(command))
-        return 0
-    if not torch.cuda.is_available():
-        raise CommandError("no CUDA device found: the kernel microbenchmarks time Triton kernels on a GPU. "
-                           "Run `specdec bench --cpu-smoke` for a quick CPU smoke run of the torch references, or "
-                           "`specdec bench --dry-run` to see the commands")
-    for command in commands:
-        print("+ " + " ".join(command), flush=True)
-        completed = subprocess.run(command, cwd=folder.parent, check=False)
-        if completed.returncode != 0:
-            raise CommandError(f"{Path(command[1]).name} exited with status {completed.returncode}")
-    return 0
-
-
 def command_demo(args: argparse.Namespace) -> int:
     """The offline demo (see :mod:`specdec.demo`)."""
     from specdec.demo import run_demo
@@ -485,7 +418,7 @@ examples:
   specdec evaluate --verifier ./big --drafter ./small --tasks tasks.jsonl --output-dir report/
   specdec evaluate --verifier ./big --drafter ./small --tasks data/mgsm/ --max-examples 50
   specdec finetune --verifier ./big --drafter ./small --tasks tasks.jsonl --output ./small-scdf
-  specdec bench --quick                  (needs a CUDA GPU; --cpu-smoke otherwise)
+  specdec bench --quick                  (a source checkout and a CUDA GPU; --cpu-smoke otherwise)
 
 exit codes: 0 success, 1 runtime error, 2 usage error (bad option or value, missing file)
 """
@@ -506,10 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "reduce it with s-CDF drafter finetuning.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    raw = argparse.RawDescriptionHelpFormatter
 
-    generate = commands.add_parser(
-        "generate", help="speculative decoding of prompts with a verifier/drafter pair", formatter_class=raw,
+    generate = _subcommand(
+        commands, "generate", command_generate, help="speculative decoding of prompts with a verifier/drafter pair",
         description="Generate with speculative decoding; the output follows the verifier exactly.",
         epilog="examples:\n  specdec generate --verifier ./big --drafter ./small --prompt 'count 7:' -k 4\n"
                "  specdec generate --verifier Qwen/Qwen2.5-7B --drafter Qwen/Qwen2.5-0.5B --prompts-file p.txt "
@@ -526,12 +458,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=_probability, default=1.0, help="nucleus sampling mass in (0, 1]")
     generate.add_argument("--eos-token-id", type=_non_negative_int, default=None,
                           help="stop token (default: the tokenizer's)")
-    generate.add_argument("--no-special-tokens", action="store_true", help="do not add BOS etc. to prompts")
+    _add_input_options(generate, "prompts", progress=False)
     generate.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
-    generate.set_defaults(handler=command_generate)
 
-    evaluate = commands.add_parser(
-        "evaluate", help="per-task fairness report (acceptance, speed-up, cross-entropy, U)", formatter_class=raw,
+    evaluate = _subcommand(
+        commands, "evaluate", command_evaluate,
+        help="per-task fairness report (acceptance, speed-up, cross-entropy, U)",
         description="Measure how unequally the drafter accelerates each task; writes markdown, JSON and a PNG.",
         epilog="examples:\n  specdec evaluate --verifier ./big --drafter ./small --tasks tasks.jsonl "
                "--output-dir report/\n  specdec evaluate --verifier ./big --drafter ./small --tasks mgsm/ "
@@ -544,12 +476,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="c = drafter time / verifier time per forward (default: measured)")
     evaluate.add_argument("--output-dir", type=Path, default=None,
                           help="write report.md, report.json and report.png here")
-    evaluate.add_argument("--no-special-tokens", action="store_true", help="do not add BOS etc. to texts")
-    evaluate.add_argument("--no-progress", action="store_true", help="no progress bars")
-    evaluate.set_defaults(handler=command_evaluate)
+    _add_input_options(evaluate, "texts")
 
-    finetune = commands.add_parser(
-        "finetune", help="finetune the drafter with s-CDF or a baseline", formatter_class=raw,
+    finetune = _subcommand(
+        commands, "finetune", command_finetune, help="finetune the drafter with s-CDF or a baseline",
         description="Update only the drafter so the tasks it serves worst catch up; the verifier is frozen.",
         epilog="methods: scdf (corrective weights K_i - min K), exact_variance (K_i - mean K: lowers U by levelling "
                "down), uniform_kd (distillation on the pooled data), balanced (equal task sampling)\n\n"
@@ -574,25 +504,14 @@ def build_parser() -> argparse.ArgumentParser:
     finetune.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint")
     finetune.add_argument("--max-examples", type=_positive_int, default=None, help="texts per task")
     finetune.add_argument("--seed", type=_non_negative_int, default=0)
-    finetune.add_argument("--no-special-tokens", action="store_true", help="do not add BOS etc. to texts")
-    finetune.add_argument("--no-progress", action="store_true")
-    finetune.set_defaults(handler=command_finetune)
+    _add_input_options(finetune, "texts")
 
-    bench = commands.add_parser(
-        "bench", help="run the kernel microbenchmarks (CUDA GPU)", formatter_class=raw,
-        description="Run benchmarks/bench_rejection.py and benchmarks/bench_divergence.py from a source checkout. "
-                    "Arguments after -- are passed to the scripts.",
-        epilog="examples:\n  specdec bench --quick\n  specdec bench divergence -- --sweep\n"
-               "  specdec bench --cpu-smoke     (no GPU: time the torch references on small shapes)")
-    bench.add_argument("which", nargs="?", default="all", choices=("all", *BENCHMARKS))
-    bench.add_argument("--quick", action="store_true", help="pass --quick to the scripts (one shape each)")
-    bench.add_argument("--cpu-smoke", action="store_true", help="a quick CPU run of the torch references instead")
-    bench.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
-    bench.add_argument("--benchmarks-dir", type=_existing_path, default=None, help="folder of the scripts")
-    bench.set_defaults(handler=command_bench, script_args=[])
+    from specdec.cli_bench import add_bench_parser
 
-    demo = commands.add_parser(
-        "demo", help="the offline demo: a built-in pair, its disparity, and s-CDF", formatter_class=raw,
+    add_bench_parser(commands, _existing_path)
+
+    demo = _subcommand(
+        commands, "demo", command_demo, help="the offline demo: a built-in pair, its disparity, and s-CDF",
         description="Train (first run, ~2-3 min on 2 CPU cores) or load a small verifier/drafter pair, print the "
                     "per-task fairness table, finetune the drafter with s-CDF (and, with --baselines, the "
                     "baselines), print the table after, and write report.md and PNG plots.",
@@ -611,7 +530,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="c for the speed-up (default: drafter/verifier parameter ratio)")
     demo.add_argument("--quick", action="store_true", help="tiny models and steps, for smoke tests only")
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
-    demo.set_defaults(handler=command_demo)
     return parser
 
 

@@ -267,6 +267,32 @@ def test_bench_without_gpu_explains_and_cpu_smoke_runs(capsys):
         assert code == 2 and "--cpu-smoke" in err
 
 
+def test_bench_from_an_installed_package_says_what_it_needs(tmp_path):
+    """A package installed without the repository (here: a copy of specdec/ with kernels/ as specdec.kernels, as
+    setup.py lays them out) has no benchmarks: exit 2 with one message naming the checkout, the GPU and the command;
+    the CPU smoke run still works there."""
+    import shutil
+
+    from specdec.cli_bench import CHECKOUT_COMMAND
+
+    site = tmp_path / "site-packages"
+    shutil.copytree(REPO_ROOT / "specdec", site / "specdec", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO_ROOT / "kernels", site / "specdec" / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "PYTHONPATH": str(site), "SPECDEC_DEBUG": ""}
+    script = "import sys, specdec; from specdec.cli import main; print(specdec.__file__); sys.exit(main(sys.argv[1:]))"
+    for argv in (["bench"], ["bench", "divergence", "--quick", "--dry-run"]):
+        run = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, env=env,
+                             cwd=tmp_path)
+        assert run.stdout.strip() == str(site / "specdec" / "__init__.py"), "the copy must be the package imported"
+        assert run.returncode == 2, run.stderr
+        message = run.stderr.strip()
+        assert len(message.splitlines()) == 1 and "Traceback" not in message
+        assert "source checkout" in message and "CUDA GPU" in message and CHECKOUT_COMMAND in message
+    smoke = subprocess.run([sys.executable, "-c", script, "bench", "--cpu-smoke"], capture_output=True, text=True,
+                           env=env, cwd=tmp_path)
+    assert smoke.returncode == 0 and "| divergence |" in smoke.stdout, smoke.stderr
+
+
 def test_bench_bad_inputs(capsys, tmp_path):
     assert run_cli(capsys, "bench", "everything")[0] == 2
     code, _, err = run_cli(capsys, "bench", "--benchmarks-dir", str(tmp_path / "nowhere"))
