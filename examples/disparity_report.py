@@ -6,7 +6,7 @@ Example (MGSM folder of ``mgsm_<lang>.tsv`` files, ``question<TAB>answer`` rows;
         --max-examples 32 --out reports/mgsm
 
 Writes ``report.md``, ``report.json`` and ``report.png`` to ``--out`` and prints the markdown table: per task the
-teacher-forced acceptance alpha_T, speed-up S_T, K_T / D_T / TV_T, the DESIGN bounds, the acceptance measured from
+teacher-forced acceptance alpha_T, speed-up S_T, K_T / D_T / TV_T, the speed-up bounds, the acceptance measured from
 real speculative decoding on the prompts, and per-character figures; across tasks U on K_T and D_T and the spreads.
 Models are Hugging Face ids or local folders (nothing else is downloaded); ``--tokenizer char`` uses specdec's
 built-in character tokenizer (for models trained with it).

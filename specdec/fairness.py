@@ -1,4 +1,4 @@
-"""Per-task disparity of speculative decoding: measurement and bounds (DESIGN.md, "The mathematics").
+"""Per-task disparity of speculative decoding: measurement and bounds.
 
 For each task T (a set of reference texts and/or prompts) :func:`evaluate` measures, with p the verifier and q the
 drafter after the same temperature, averaged over all prefixes s of the task's texts (teacher forcing):
@@ -11,7 +11,7 @@ drafter after the same temperature, averaged over all prefixes s of the task's t
 * from real :func:`specdec.generate` runs on the prompts: the measured acceptance rate and tokens per verifier call.
 
 Across tasks: ``U = (1/m) sum_i (K_i - Kbar)^2`` on K_T (and on D_T, TV_T), spreads of alpha_T and S_T, the Spearman
-correlation of fitness with speed-up, and per-character figures when a tokenizer is given. The DESIGN bounds
+correlation of fitness with speed-up, and per-character figures when a tokenizer is given. The speed-up bounds
 ``E_s S(alpha(s)) >= S(1 - TV_T) >= S(max(0, 1 - sqrt(D_T / 2)))`` and the triangle bounds
 ``1 - r_q - r_p <= alpha_T <= 1 - r_q + r_p`` are checked; violations are recorded, never raised.
 

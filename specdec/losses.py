@@ -1,4 +1,4 @@
-"""s-CDF objective: per-task weights and the weighted distillation loss (DESIGN.md, "The mathematics").
+"""s-CDF objective: per-task weights and the weighted distillation loss.
 
 Notation. ``m`` tasks; ``K_i`` is task ``i``'s mean drafter cross-entropy against the verifier,
 ``K_i = E_{s~T_i} H(p(.|s), q(.|s))``, estimated on a minibatch of prefixes drawn from task ``i``. The unfairness is the

@@ -1,4 +1,4 @@
-"""Closed-form speculative-decoding quantities (DESIGN.md, "The mathematics").
+"""Closed-form speculative-decoding quantities.
 
 With per-position acceptance probability alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q) and K drafts per round:
 
@@ -108,7 +108,7 @@ def acceptance_from_logits(target_logits: torch.Tensor, draft_logits: torch.Tens
 
 
 def speedup_lower_bounds(tv: float, kl: float, num_draft_tokens: int, cost_ratio: float) -> tuple[float, float]:
-    """The DESIGN bounds S_T >= S(1 - TV_T) >= S(max(0, 1 - sqrt(D_T / 2))) (Jensen, then Pinsker).
+    """The speed-up lower bounds S_T >= S(1 - TV_T) >= S(max(0, 1 - sqrt(D_T / 2))) (Jensen, then Pinsker).
 
     tv: TV_T in [0, 1]; kl: D_T >= 0 (``inf`` allowed: the Pinsker bound is then S(0)). Returns the two bounds."""
     for name, value, high in (("tv", tv, 1.0), ("kl", kl, float("inf"))):

@@ -1,4 +1,4 @@
-"""Test session setup.
+"""Shared test setup.
 
 Without a CUDA device the Triton kernels run in Triton's interpreter; the variable must be set before any module
 that defines a ``@triton.jit`` kernel is imported, hence here, first.

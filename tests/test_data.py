@@ -172,23 +172,17 @@ def test_load_tsv_both_layouts(tmp_path):
     assert data.load_tasks(qa_header)["qa"].prompts == ["q1"]
 
 
-def test_load_tsv_errors(tmp_path):
-    one_column = tmp_path / "one.tsv"
-    one_column.write_text("just a question\n", encoding="utf-8")
-    with pytest.raises(data.TaskFileError, match="question<TAB>answer"):
-        data.load_tasks(one_column)
-    empty = tmp_path / "empty.tsv"
-    empty.write_text("", encoding="utf-8")
-    with pytest.raises(data.TaskFileError, match="empty"):
-        data.load_tasks(empty)
-    short_row = tmp_path / "short.tsv"
-    short_row.write_text("task\ttext\nen\n", encoding="utf-8")
-    with pytest.raises(data.TaskFileError, match="short.tsv:2"):
-        data.load_tasks(short_row)
-    blank_lines = tmp_path / "blank.tsv"
-    blank_lines.write_text("q1\ta1\n\n\nbad\n", encoding="utf-8")
-    with pytest.raises(data.TaskFileError, match="blank.tsv:4"):  # the line in the file, blank lines counted
-        data.load_tasks(blank_lines)
+@pytest.mark.parametrize(("name", "content", "message"), [
+    ("one.tsv", "just a question\n", "question<TAB>answer"),
+    ("empty.tsv", "", "empty"),
+    ("short.tsv", "task\ttext\nen\n", "short.tsv:2"),
+    ("blank.tsv", "q1\ta1\n\n\nbad\n", "blank.tsv:4"),  # the line in the file, blank lines counted
+])
+def test_load_tsv_errors(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(data.TaskFileError, match=message):
+        data.load_tasks(path)
 
 
 def test_load_mgsm_folder(tmp_path):

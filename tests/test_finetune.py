@@ -14,14 +14,8 @@ import torch
 import torch.multiprocessing as mp
 from transformers import LlamaForCausalLM
 
-from specdec.finetune import (
-    CHECKPOINT_NAME,
-    CheckpointError,
-    FinetuneConfig,
-    finetune_drafter,
-    load_checkpoint,
-    save_checkpoint,
-)
+from specdec.finetune import FinetuneConfig, finetune_drafter
+from specdec.finetune_checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint, save_checkpoint
 
 from models import tiny_llama as build_tiny_llama
 
@@ -257,6 +251,14 @@ def test_failed_save_never_overwrites_a_good_checkpoint(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == [CHECKPOINT_NAME], "no temporary file may be left behind"
     monkeypatch.setattr(safetensors.torch, "save_file", real_save)
     load_checkpoint(path)
+
+
+def test_checkpoint_names_are_importable_from_finetune():
+    import specdec.finetune as finetune
+    import specdec.finetune_checkpoint as checkpoint
+
+    for name in ("CHECKPOINT_NAME", "CheckpointError", "load_checkpoint", "save_checkpoint"):
+        assert getattr(finetune, name) is getattr(checkpoint, name)
 
 
 def test_missing_or_foreign_checkpoint(tmp_path):

@@ -1,4 +1,4 @@
-"""Closed forms of DESIGN.md: expected tokens per call, speed-up, accepted-count law, bounds."""
+"""Closed forms: expected tokens per call, speed-up, accepted-count law, bounds."""
 
 import math
 

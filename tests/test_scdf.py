@@ -1,4 +1,4 @@
-"""Issue 5, "Must show" 1: the constructed disparity case, s-CDF against the baselines (CPU, well under 2 minutes).
+"""A constructed disparity case: s-CDF against the baselines (CPU, well under 2 minutes).
 
 Two synthetic tasks over disjoint token ranges, each a first-order Markov chain (a random permutation followed with
 probability 0.9 / 0.8, else a second permutation). The verifier is trained on both; the drafter on task "common"
