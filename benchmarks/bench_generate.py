@@ -1,0 +1,304 @@
+"""End-to-end generation speed: ``specdec.generate`` against Hugging Face's generate paths, in one process on one GPU.
+
+Every provider does identical work: the same prompts, greedy decoding, a fixed number of new tokens (no eos).
+
+Providers
+    hf_eager        ``verifier.generate()`` (dynamic cache, eager forward calls)
+    hf_static       ``verifier.generate(cache_implementation="static")`` (transformers compiles the decoding forward)
+    hf_assisted     ``verifier.generate(assistant_model=drafter)`` with ``num_assistant_tokens = K``, a constant
+                    schedule and no confidence cut-off (batch 1: transformers supports no other)
+    specdec_eager   ``specdec.generate(static=False)`` (dynamic caches, eager forward calls)
+    specdec_plain   ``specdec.generate(num_draft_tokens=0)``: the static path without speculation
+    specdec_static  ``specdec.generate()`` (the static path: slot caches, rounds replayed from CUDA graphs)
+    specdec_auto    ``specdec.generate(num_draft_tokens="auto")``
+
+Models (random bf16 weights; nothing is downloaded)
+    llama-1b  Llama-3.2-1B's shape: hidden 2048, 16 layers, 32 query / 8 KV heads, MLP 8192, vocab 128256, tied head
+    llama-3b  Llama-3.2-3B's shape: hidden 3072, 28 layers, 24 query / 8 KV heads, MLP 8192, vocab 128256, tied head
+    demo      the demo's trained pair (``specdec demo`` caches it) on its synthetic task prompts: ``--demo-pair DIR``
+
+Drafters with a chosen acceptance. The drafter is the verifier's first ``--draft-layers`` layers with the verifier's
+final norm and head (a layer-skip self-drafter: shared weights, no extra memory). In the verifier, the layers after
+those have their output projections (attention ``o_proj``, MLP ``down_proj``) scaled by a factor eps: at eps = 0 the
+verifier computes what the drafter computes (alpha = 1), and a larger eps moves its next-token choice away. For each
+target alpha, eps is found by bisection on greedy generation of the benchmark's prompts (alpha read from specdec's
+own counters); every provider then runs on that verifier. Scaling weights changes no cost.
+
+Columns: ``alpha`` is the acceptance measured on the row's own run; ``c`` is the time of one drafter decoding step
+over one verifier decoding step on the row's path (static: CUDA-graph replays of single-token steps; eager: synchronised
+eager calls); ``predicted_speedup`` = S(alpha, K, c) = (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1));
+``achieved_speedup`` = the path's tokens/s over the same path without speculation (specdec_plain for the static path,
+specdec at K = 0 with ``static=False`` for the eager path); ``first_call_s`` is the first call's wall time (graph
+capture, compilation); ``rows_identical`` is the fraction of batch rows whose tokens equal hf_eager's greedy tokens
+(bf16 changes of batch shape can flip near-ties), ``first_mismatch`` the mean index of the first differing token.
+
+    python benchmarks/bench_generate.py --model llama-1b            # rows into benchmarks/results/generate.csv
+    python benchmarks/bench_generate.py --model llama-3b --batches 1,8 --ks 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import statistics
+import time
+
+import torch
+
+import specdec
+from specdec._fast_decode import clear_engines, get_engine
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "generate.csv")
+SHAPES = {
+    "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                     intermediate_size=8192),
+    "llama-3b": dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
+                     intermediate_size=8192),
+}
+KEY = ("gpu", "model", "alpha_target", "batch", "num_draft_tokens", "provider")
+
+
+def build_pair(name: str, draft_layers: int, seed: int = 0):
+    """A random bf16 verifier of the named shape and its layer-skip drafter (shared modules)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=128256, max_position_embeddings=4096, rope_theta=500000.0,
+                         tie_word_embeddings=True, attn_implementation="sdpa", **SHAPES[name])
+    with torch.device("cuda"):
+        verifier = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    drafter_config = LlamaConfig(**{**config.to_dict(), "num_hidden_layers": draft_layers})
+    drafter_config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        drafter = LlamaForCausalLM(drafter_config)
+    drafter.model.embed_tokens = verifier.model.embed_tokens
+    drafter.model.layers = torch.nn.ModuleList(verifier.model.layers[:draft_layers])
+    drafter.model.norm = verifier.model.norm
+    drafter.model.rotary_emb = verifier.model.rotary_emb
+    drafter.lm_head = verifier.lm_head
+    return verifier, drafter.eval()
+
+
+class DeepScale:
+    """Scales the output projections of the verifier's layers after the drafter's by eps (in place)."""
+
+    def __init__(self, verifier, draft_layers: int):
+        self.weights = [w for layer in verifier.model.layers[draft_layers:]
+                        for w in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight)]
+        self.originals = [w.detach().clone() for w in self.weights]
+        self.eps = 1.0
+
+    def set(self, eps: float) -> None:
+        with torch.no_grad():
+            for weight, original in zip(self.weights, self.originals, strict=True):
+                weight.copy_(original * eps)
+        self.eps = eps
+
+
+def calibrate(scale: DeepScale, verifier, drafter, prompts, target: float, steps: int = 9) -> float:
+    """Bisection on eps in [0, 1] for greedy acceptance ``target`` at K = 4 (alpha falls as eps grows)."""
+    low, high = 0.0, 1.0
+    for _ in range(steps):
+        mid = (low + high) / 2
+        scale.set(mid)
+        alpha = specdec.generate(verifier, drafter, prompts, max_new_tokens=64, num_draft_tokens=4,
+                                 pad_token_id=0).stats.total_acceptance_rate
+        low, high = (mid, high) if alpha > target else (low, mid)
+    scale.set((low + high) / 2)
+    return scale.eps
+
+
+def timed(fn, repeats: int) -> tuple[float, float, object]:
+    """(first call seconds, median of ``repeats`` later calls, last output)."""
+    def once():
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start, out
+
+    first, out = once()
+    times = []
+    for _ in range(repeats):
+        seconds, out = once()
+        times.append(seconds)
+    return first, statistics.median(times), out
+
+
+def step_cost_ratio(verifier, drafter, batch: int, vocab: int, static: bool) -> float:
+    """c = one drafter decoding step / one verifier decoding step, on the static path (graph replays) or eager."""
+    from specdec._fast_decode import _median_seconds
+
+    engine, _ = get_engine(verifier, drafter, batch, 256, vocab, 1, 1, torch.device("cuda"), "auto", True)
+    ids = torch.zeros((batch, 1), dtype=torch.int64, device="cuda")
+    slots = torch.full((batch, 1), 100, dtype=torch.int64, device="cuda")
+    seconds = {}
+    for name, model in (("verifier", engine.verifier), ("drafter", engine.drafter)):
+        def step(model=model):
+            return model.forward(ids, slots, 1)
+
+        if static:
+            step = engine._capture(step)
+        seconds[name] = _median_seconds(step, torch.device("cuda"), 20)
+    return seconds["drafter"] / seconds["verifier"]
+
+
+def agreement(tokens: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    """(fraction of rows equal to the reference, mean index of the first differing token; the length if none)."""
+    differ = tokens.cpu() != reference.cpu()
+    first = torch.where(differ.any(1), differ.int().argmax(1), torch.tensor(differ.shape[1]))
+    return float((~differ.any(1)).float().mean()), float(first.float().mean())
+
+
+def run_case(args, env: dict, verifier, drafter, scale: DeepScale | None, prompts: torch.Tensor, mask: torch.Tensor,
+             target: float | None, vocab: int) -> list[dict]:
+    """Every provider at one (batch, target alpha): rows for K = 0, every K of ``args.ks`` and "auto"."""
+    rows = []
+    batch, new_tokens = prompts.shape[0], args.new_tokens
+    hf_kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=new_tokens, pad_token_id=0)
+
+    def hf(**extra):
+        return lambda: verifier.generate(prompts, **hf_kwargs, **extra)[:, prompts.shape[1]:]
+
+    def sd(**extra):
+        return lambda: specdec.generate(verifier, drafter, prompts, attention_mask=mask, max_new_tokens=new_tokens,
+                                        pad_token_id=0, **extra)
+
+    eps = calibrate(scale, verifier, drafter, prompts, target) if scale is not None else float("nan")
+    base = dict(env, model=args.model, alpha_target=target, eps=round(eps, 5), batch=batch,
+                prompt_len=prompts.shape[1], new_tokens=new_tokens, draft_layers=args.draft_layers)
+    first, seconds, reference = timed(hf(), 1)
+
+    def row(provider, k, first_s, seconds, tokens, alpha=float("nan"), c=float("nan"), achieved=None):
+        identical, first_mismatch = agreement(tokens, reference)
+        predicted = float(specdec.speedup(alpha, k, c)) if k not in (0, "auto") and alpha == alpha else None
+        rows.append(dict(base, num_draft_tokens=k, provider=provider, alpha=round(alpha, 4), c=round(c, 4),
+                         tokens_per_s=round(batch * new_tokens / seconds, 1), seconds=round(seconds, 4),
+                         first_call_s=round(first_s, 3), predicted_speedup=predicted and round(predicted, 3),
+                         achieved_speedup=achieved and round(achieved, 3),
+                         achieved_over_predicted=achieved and predicted and round(achieved / predicted, 3),
+                         rows_identical=round(identical, 3), first_mismatch=round(first_mismatch, 1)))
+        print({key: rows[-1][key] for key in ("model", "alpha_target", "batch", "num_draft_tokens", "provider",
+                                              "alpha", "c", "tokens_per_s", "achieved_over_predicted",
+                                              "first_call_s", "rows_identical")}, flush=True)
+
+    def tokens_of(out):
+        return out.sequences[:, prompts.shape[1]:]
+
+    row("hf_eager", 0, first, seconds, reference)
+    if not args.skip_hf_static:
+        first, seconds, out = timed(hf(cache_implementation="static"), args.repeats)
+        row("hf_static", 0, first, seconds, out)
+    first, plain_s, out = timed(sd(num_draft_tokens=0), args.repeats)
+    row("specdec_plain", 0, first, plain_s, tokens_of(out))
+    first, eager_plain_s, out = timed(sd(num_draft_tokens=0, static=False), 1)
+    row("specdec_eager", 0, first, eager_plain_s, tokens_of(out))
+    c_static = step_cost_ratio(verifier, drafter, batch, vocab, True)
+    c_eager = step_cost_ratio(verifier, drafter, batch, vocab, False)
+    for k in args.ks:
+        first, seconds, out = timed(sd(num_draft_tokens=k), args.repeats)
+        row("specdec_static", k, first, seconds, tokens_of(out), out.stats.total_acceptance_rate, c_static,
+            plain_s / seconds)
+        if k == args.eager_k:
+            first, seconds, out = timed(sd(num_draft_tokens=k, static=False), 1)
+            row("specdec_eager", k, first, seconds, tokens_of(out), out.stats.total_acceptance_rate, c_eager,
+                eager_plain_s / seconds)
+        if batch == 1:
+            schedule = dict(num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
+                            assistant_confidence_threshold=0.0)
+            for key, value in schedule.items():
+                setattr(drafter.generation_config, key, value)
+            first, seconds, out = timed(hf(assistant_model=drafter, **schedule), 1)
+            row("hf_assisted", k, first, seconds, out)
+    first, seconds, out = timed(sd(num_draft_tokens="auto"), args.repeats)
+    row("specdec_auto", "auto", first, seconds, tokens_of(out), out.stats.total_acceptance_rate, c_static,
+        plain_s / seconds)
+    rows[-1]["mean_draft_tokens"] = round(out.stats.summary()["mean_draft_length"], 2)
+    return rows
+
+
+def run_model(args, env: dict) -> list[dict]:
+    """Every provider on every (batch, target alpha, K) of ``args``; rows are merged into ``args.out`` per batch."""
+    rows = []
+    if args.model == "demo":
+        from specdec.demo_pair import load_pair
+
+        pair = load_pair(args.demo_pair)
+        verifier, drafter = pair.verifier.cuda(), pair.drafter.cuda()
+        scale, targets = None, [None]
+        vocab = len(pair.tokenizer)
+    else:
+        verifier, drafter = build_pair(args.model, args.draft_layers)
+        scale, targets = DeepScale(verifier, args.draft_layers), args.alphas
+        vocab = verifier.config.vocab_size
+    for model in (verifier, drafter):  # fixed-length generation: no eos
+        model.generation_config.eos_token_id = None
+    generator = torch.Generator().manual_seed(0)
+    for batch in args.batches:
+        if args.model == "demo":
+            from specdec.data import synthetic_task_suite
+
+            texts = [ex.prompt for exs in synthetic_task_suite(batch, seed=1).values() for ex in exs]
+            encoded = pair.tokenizer(texts[:batch], return_tensors="pt", padding=True, padding_side="left")
+            prompts, mask = encoded["input_ids"].cuda(), encoded["attention_mask"].cuda()
+        else:
+            prompts = torch.randint(100, vocab, (batch, args.prompt_len), generator=generator).cuda()
+            mask = torch.ones_like(prompts)
+        for target in targets:
+            rows += run_case(args, env, verifier, drafter, scale, prompts, mask, target, vocab)
+        clear_engines()
+        merge_rows(args.out, rows)  # after every batch size, so a run cut short keeps what it measured
+    return rows
+
+
+def merge_rows(path: str, rows: list[dict]) -> None:
+    """Writes ``rows`` into the CSV at ``path``, replacing rows with the same key (GPU, model, alpha, batch, K,
+    provider)."""
+    old = []
+    if os.path.exists(path):
+        with open(path, newline="") as handle:
+            old = list(csv.DictReader(handle))
+    new_keys = {tuple(str(r[k]) for k in KEY) for r in rows}
+    kept = [r for r in old if tuple(r.get(k, "") for k in KEY) not in new_keys]
+    fields = list(dict.fromkeys([*rows[0], *(k for r in rows for k in r), *(k for r in kept for k in r)]))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields, restval="")
+        writer.writeheader()
+        writer.writerows(kept + rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=[*SHAPES, "demo"], default="llama-1b")
+    parser.add_argument("--demo-pair", help="folder of the demo pair (verifier/, drafter/), for --model demo")
+    parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes (default: 1,8,32)")
+    parser.add_argument("--ks", default="2,4,8", help="comma-separated draft lengths K (default: 2,4,8)")
+    parser.add_argument("--alphas", default="0.2,0.5,0.75", help="target acceptances (default: 0.2,0.5,0.75)")
+    parser.add_argument("--draft-layers", type=int, default=1, help="layers of the self-drafter (default: 1)")
+    parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens (default: 32)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="new tokens per row (default: 128)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per fast provider (default: 3)")
+    parser.add_argument("--eager-k", type=int, default=4, help="K of the specdec_eager rows (default: 4)")
+    parser.add_argument("--skip-hf-static", action="store_true", help="leave out hf_static (its compilation)")
+    parser.add_argument("--out", default=RESULTS, help=f"CSV to merge rows into (default: {RESULTS})")
+    args = parser.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.ks = [int(k) for k in args.ks.split(",")]
+    args.alphas = [float(a) for a in args.alphas.split(",")]
+    if args.model == "demo" and not args.demo_pair:
+        parser.error("--model demo needs --demo-pair DIR")
+    import transformers
+    import triton
+
+    env = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+               triton=triton.__version__, transformers=transformers.__version__)
+    with torch.no_grad():
+        rows = run_model(args, env)
+    print(f"{len(rows)} rows -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
