@@ -11,6 +11,7 @@ Providers
     specdec_plain   ``specdec.generate(num_draft_tokens=0)``: the static path without speculation
     specdec_static  ``specdec.generate()`` (the static path: slot caches, rounds replayed from CUDA graphs)
     specdec_auto    ``specdec.generate(num_draft_tokens="auto")``
+    *_compiled      the same with ``compile=True`` (each model's forward fused by torch.compile, then captured)
 
 Models (random bf16 weights; nothing is downloaded)
     llama-1b  Llama-3.2-1B's shape: hidden 2048, 16 layers, 32 query / 8 KV heads, MLP 8192, vocab 128256, tied head
@@ -97,13 +98,13 @@ class DeepScale:
         self.eps = eps
 
 
-def calibrate(scale: DeepScale, verifier, drafter, prompts, target: float, steps: int = 9) -> float:
+def calibrate(scale: DeepScale, verifier, drafter, prompts, target: float, new_tokens: int, steps: int = 9) -> float:
     """Bisection on eps in [0, 1] for greedy acceptance ``target`` at K = 4 (alpha falls as eps grows)."""
     low, high = 0.0, 1.0
     for _ in range(steps):
         mid = (low + high) / 2
         scale.set(mid)
-        alpha = specdec.generate(verifier, drafter, prompts, max_new_tokens=64, num_draft_tokens=4,
+        alpha = specdec.generate(verifier, drafter, prompts, max_new_tokens=new_tokens, num_draft_tokens=4,
                                  pad_token_id=0).stats.total_acceptance_rate
         low, high = (mid, high) if alpha > target else (low, mid)
     scale.set((low + high) / 2)
@@ -127,11 +128,11 @@ def timed(fn, repeats: int) -> tuple[float, float, object]:
     return first, statistics.median(times), out
 
 
-def step_cost_ratio(verifier, drafter, batch: int, vocab: int, static: bool) -> float:
+def step_cost_ratio(verifier, drafter, batch: int, vocab: int, static: bool, compiled: bool = False) -> float:
     """c = one drafter decoding step / one verifier decoding step, on the static path (graph replays) or eager."""
     from specdec._fast_decode import _median_seconds
 
-    engine, _ = get_engine(verifier, drafter, batch, 256, vocab, 1, 1, torch.device("cuda"), "auto", True)
+    engine, _ = get_engine(verifier, drafter, batch, 256, vocab, 1, 1, torch.device("cuda"), "auto", True, compiled)
     ids = torch.zeros((batch, 1), dtype=torch.int64, device="cuda")
     slots = torch.full((batch, 1), 100, dtype=torch.int64, device="cuda")
     seconds = {}
@@ -166,7 +167,7 @@ def run_case(args, env: dict, verifier, drafter, scale: DeepScale | None, prompt
         return lambda: specdec.generate(verifier, drafter, prompts, attention_mask=mask, max_new_tokens=new_tokens,
                                         pad_token_id=0, **extra)
 
-    eps = calibrate(scale, verifier, drafter, prompts, target) if scale is not None else float("nan")
+    eps = calibrate(scale, verifier, drafter, prompts, target, new_tokens) if scale is not None else float("nan")
     base = dict(env, model=args.model, alpha_target=target, eps=round(eps, 5), batch=batch,
                 prompt_len=prompts.shape[1], new_tokens=new_tokens, draft_layers=args.draft_layers)
     first, seconds, reference = timed(hf(), 1)
@@ -179,13 +180,18 @@ def run_case(args, env: dict, verifier, drafter, scale: DeepScale | None, prompt
                          first_call_s=round(first_s, 3), predicted_speedup=predicted and round(predicted, 3),
                          achieved_speedup=achieved and round(achieved, 3),
                          achieved_over_predicted=achieved and predicted and round(achieved / predicted, 3),
-                         rows_identical=round(identical, 3), first_mismatch=round(first_mismatch, 1)))
+                         rows_identical=round(identical, 3), first_mismatch=round(first_mismatch, 1),
+                         path=last_stats[0].path if provider.startswith("specdec") else "",
+                         setup_s=round(last_stats[0].setup_time_s, 3) if provider.startswith("specdec") else ""))
         print({key: rows[-1][key] for key in ("model", "alpha_target", "batch", "num_draft_tokens", "provider",
                                               "alpha", "c", "tokens_per_s", "achieved_over_predicted",
                                               "first_call_s", "rows_identical")}, flush=True)
 
     def tokens_of(out):
+        last_stats[0] = out.stats
         return out.sequences[:, prompts.shape[1]:]
+
+    last_stats = [None]
 
     row("hf_eager", 0, first, seconds, reference)
     if not args.skip_hf_static:
@@ -216,6 +222,18 @@ def run_case(args, env: dict, verifier, drafter, scale: DeepScale | None, prompt
     row("specdec_auto", "auto", first, seconds, tokens_of(out), out.stats.total_acceptance_rate, c_static,
         plain_s / seconds)
     rows[-1]["mean_draft_tokens"] = round(out.stats.summary()["mean_draft_length"], 2)
+    if args.compiled:
+        first, plain_s, out = timed(sd(num_draft_tokens=0, compile=True), args.repeats)
+        row("specdec_plain_compiled", 0, first, plain_s, tokens_of(out))
+        c_compiled = step_cost_ratio(verifier, drafter, batch, vocab, True, compiled=True)
+        for k in args.compiled_ks:
+            first, seconds, out = timed(sd(num_draft_tokens=k, compile=True), args.repeats)
+            row("specdec_compiled", k, first, seconds, tokens_of(out), out.stats.total_acceptance_rate, c_compiled,
+                plain_s / seconds)
+        first, seconds, out = timed(sd(num_draft_tokens="auto", compile=True), args.repeats)
+        row("specdec_auto_compiled", "auto", first, seconds, tokens_of(out), out.stats.total_acceptance_rate,
+            c_compiled, plain_s / seconds)
+        rows[-1]["mean_draft_tokens"] = round(out.stats.summary()["mean_draft_length"], 2)
     return rows
 
 
@@ -283,11 +301,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per fast provider (default: 3)")
     parser.add_argument("--eager-k", type=int, default=4, help="K of the specdec_eager rows (default: 4)")
     parser.add_argument("--skip-hf-static", action="store_true", help="leave out hf_static (its compilation)")
+    parser.add_argument("--no-compiled", dest="compiled", action="store_false",
+                        help="leave out the specdec *_compiled providers (their compilation)")
+    parser.add_argument("--compiled-ks", default="4", help="K values of the specdec_compiled rows (default: 4)")
     parser.add_argument("--out", default=RESULTS, help=f"CSV to merge rows into (default: {RESULTS})")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     args.ks = [int(k) for k in args.ks.split(",")]
     args.alphas = [float(a) for a in args.alphas.split(",")]
+    args.compiled_ks = [int(k) for k in args.compiled_ks.split(",")]
     if args.model == "demo" and not args.demo_pair:
         parser.error("--model demo needs --demo-pair DIR")
     import transformers

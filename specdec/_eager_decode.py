@@ -204,6 +204,7 @@ def decode_eager(verifier: torch.nn.Module, drafter: torch.nn.Module, input_ids:
         # Emit: n + 1 tokens per active row, cut at eos and at max_new_tokens.
         remaining = max_new_tokens - generated
         emit = (emit_index[None] <= num_accepted[:, None]) & (emit_index[None] < remaining[:, None]) & active[:, None]
+        first_eos = torch.full_like(generated, num_drafts + 1)
         if eos_ids:
             is_eos = torch.isin(new_tokens, eos_tensor) & emit
             first_eos = torch.where(is_eos.any(dim=1), is_eos.to(torch.int64).argmax(dim=1), num_drafts + 1)
@@ -216,9 +217,9 @@ def decode_eager(verifier: torch.nn.Module, drafter: torch.nn.Module, input_ids:
         out_tokens[emit_rows, generated[emit_rows] + emit_cols] = new_tokens[emit_rows, emit_cols]
         generated += emit_count
 
-        # acceptance tests count up to the last emitted token (none after an emitted eos)
-        accepted = torch.minimum(emit_count, num_accepted)
-        attempted = torch.minimum(torch.minimum(emit_count, num_accepted + 1), torch.full_like(emit_count, num_drafts))
+        # acceptance tests count up to an emitted eos (none after it), also past the budget (they were decided)
+        accepted = torch.minimum(num_accepted, first_eos + 1) * active
+        attempted = torch.minimum(torch.clamp(num_accepted + 1, max=num_drafts), first_eos + 1) * active
         counters["drafted"] += active * num_drafts
         counters["accepted"] += accepted
         counters["verifier_calls"] += active.to(torch.int64)

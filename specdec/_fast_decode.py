@@ -45,11 +45,28 @@ class Sampling:
     top_p: float
 
 
+def _slot_step(model: torch.nn.Module, cache: SlotCache, ids: torch.Tensor, slots: torch.Tensor,
+               key_ok: torch.Tensor, pad_offset: torch.Tensor, dtype: torch.dtype, additive: bool, keep: int,
+               keep_kwarg: bool) -> torch.Tensor:
+    """One forward call of ``model`` on the slot cache: logits [B, keep, V_model] of the last ``keep`` tokens."""
+    cache.write_slots = slots
+    mask = slot_attention_mask(key_ok, slots, dtype, additive)
+    positions = (slots - pad_offset[:, None]).clamp(min=0)
+    extra = {"logits_to_keep": keep} if keep_kwarg else {}
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+                **extra)
+    return out.logits[:, -keep:]
+
+
 class _ModelSlot:
-    """One model with its slot cache: ``forward(ids [B, T], slots [B, T], keep) -> [B, keep, vocab]`` logits."""
+    """One model with its slot cache: ``forward(ids [B, T], slots [B, T], keep) -> [B, keep, vocab]`` logits.
+
+    ``compile_model``: the step goes through ``torch.compile`` (fused kernels; compiled at the first call of each
+    shape, before the round is captured in a CUDA graph).
+    """
 
     def __init__(self, model: torch.nn.Module, batch: int, capacity: int, vocab: int, key_ok: torch.Tensor,
-                 pad_offset: torch.Tensor):
+                 pad_offset: torch.Tensor, compile_model: bool = False):
         self.model = weakref.ref(model)  # cached engines must not keep a deleted model alive
         self.vocab = vocab
         self.cache = SlotCache(batch, capacity)
@@ -57,29 +74,46 @@ class _ModelSlot:
         self.additive_mask = model.config._attn_implementation == "eager"
         self.dtype = next(model.parameters()).dtype
         self.has_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.step = _compiled_slot_step() if compile_model else _slot_step
 
-    def forward(self, ids: torch.Tensor, slots: torch.Tensor, keep: int) -> torch.Tensor:
-        self.cache.write_slots = slots
-        mask = slot_attention_mask(self.key_ok, slots, self.dtype, self.additive_mask)
-        positions = (slots - self.pad_offset[:, None]).clamp(min=0)
-        extra = {"logits_to_keep": keep} if self.has_logits_to_keep else {}
-        out = self.model()(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
-                           use_cache=True, **extra)
-        return out.logits[:, -keep:, : self.vocab]
+    def forward(self, ids: torch.Tensor, slots: torch.Tensor, keep: int, eager: bool = False) -> torch.Tensor:
+        step = _slot_step if eager else self.step
+        logits = step(self.model(), self.cache, ids, slots, self.key_ok, self.pad_offset, self.dtype,
+                      self.additive_mask, keep, self.has_logits_to_keep)
+        return logits[..., : self.vocab]
+
+
+_COMPILED_STEP = None
+
+
+def _compiled_slot_step():
+    """:func:`_slot_step` through ``torch.compile`` (one compiled function; each model and shape adds an entry)."""
+    global _COMPILED_STEP
+    if _COMPILED_STEP is None:
+        import torch._dynamo
+
+        config = torch._dynamo.config
+        if hasattr(config, "recompile_limit"):
+            config.recompile_limit = max(config.recompile_limit, 64)
+        else:
+            config.cache_size_limit = max(config.cache_size_limit, 64)
+        _COMPILED_STEP = torch.compile(_slot_step)
+    return _COMPILED_STEP
 
 
 class StaticEngine:
     """Caches, device state and captured rounds for one (verifier, drafter, batch, capacity) combination."""
 
     def __init__(self, verifier: torch.nn.Module, drafter: torch.nn.Module, batch: int, capacity: int, vocab: int,
-                 max_drafts: int, num_eos: int, device: torch.device, backend: str, use_graphs: bool):
+                 max_drafts: int, num_eos: int, device: torch.device, backend: str, use_graphs: bool,
+                 compile_models: bool = False):
         self.batch, self.capacity, self.vocab, self.max_drafts = batch, capacity, vocab, max_drafts
         self.device, self.backend, self.use_graphs = device, backend, use_graphs
         zeros = lambda *shape, dtype=torch.int64: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         self.key_ok = torch.ones((batch, capacity), dtype=torch.bool, device=device)
         self.pad_offset = zeros(batch)
-        self.verifier = _ModelSlot(verifier, batch, capacity, vocab, self.key_ok, self.pad_offset)
-        self.drafter = _ModelSlot(drafter, batch, capacity, vocab, self.key_ok, self.pad_offset)
+        self.verifier = _ModelSlot(verifier, batch, capacity, vocab, self.key_ok, self.pad_offset, compile_models)
+        self.drafter = _ModelSlot(drafter, batch, capacity, vocab, self.key_ok, self.pad_offset, compile_models)
         self.seq = zeros(batch, capacity)
         self.slot_len, self.prev, self.pending = zeros(batch), zeros(batch), zeros(batch)
         self.generated, self.stream_pos = zeros(batch), zeros(batch)
@@ -100,8 +134,8 @@ class StaticEngine:
         # one eager call per model allocates the cache buffers before any capture
         ids = zeros(batch, 1)
         slots = zeros(batch, 1)
-        self.verifier.forward(ids, slots, 1)
-        self.drafter.forward(ids, slots, 1)
+        self.verifier.forward(ids, slots, 1, eager=True)
+        self.drafter.forward(ids, slots, 1, eager=True)
 
     # ------------------------------------------------------------------ state
     def _park(self) -> None:
@@ -132,8 +166,8 @@ class StaticEngine:
         for counter in (*self.counters.values(), self.accepted_per_position, self.attempted_per_position):
             counter.zero_()
         slots = torch.arange(prompt_len, device=self.device).expand(batch, prompt_len)
-        self.drafter.forward(input_ids, slots, 1)
-        logits = self.verifier.forward(input_ids, slots, 1)[:, 0]
+        self.drafter.forward(input_ids, slots, 1, eager=True)  # (prompt lengths vary: never compiled)
+        logits = self.verifier.forward(input_ids, slots, 1, eager=True)[:, 0]
         self.stream_pos.zero_()
         first, bad = self._sample_verifier(logits, sampling)
         self.seq[:, prompt_len] = first
@@ -230,8 +264,9 @@ class StaticEngine:
         self.slot_len.add_(torch.where(active, num_accepted + 1, 0))
         self.stream_pos.add_(num_drafts + 1)
         self.counters["verifier_calls"].add_(active)
-        accepted = torch.minimum(count, num_accepted)
-        attempted = torch.minimum(torch.minimum(count, num_accepted + 1), torch.full_like(count, num_drafts))
+        # acceptance tests count up to an emitted eos (none after it), also past the budget (they were decided)
+        accepted = torch.minimum(num_accepted, first_eos + 1) * active
+        attempted = torch.minimum(torch.clamp(num_accepted + 1, max=num_drafts), first_eos + 1) * active
         self.counters["accepted"].add_(accepted)
         if num_drafts:
             position = torch.arange(num_drafts, device=self.device)
@@ -314,13 +349,13 @@ def _fingerprint(model: torch.nn.Module) -> tuple:
 
 
 def get_engine(verifier: torch.nn.Module, drafter: torch.nn.Module, batch: int, needed_slots: int, vocab: int,
-               max_drafts: int, num_eos: int, device: torch.device, backend: str,
-               use_graphs: bool) -> tuple[StaticEngine, bool]:
+               max_drafts: int, num_eos: int, device: torch.device, backend: str, use_graphs: bool,
+               compile_models: bool = False) -> tuple[StaticEngine, bool]:
     """A cached engine for these models and shapes (or a new one); True when it was newly built."""
     capacity = -(-needed_slots // SLOT_BUCKET) * SLOT_BUCKET
     eos_slots = 1 << max(num_eos - 1, 0).bit_length()
     key = (id(drafter), _fingerprint(verifier), _fingerprint(drafter), batch, capacity, vocab, max_drafts, eos_slots,
-           str(device), backend, use_graphs)
+           str(device), backend, use_graphs, compile_models)
     engines = _ENGINES.setdefault(verifier, OrderedDict())
     if key in engines:
         engines.move_to_end(key)
@@ -328,7 +363,7 @@ def get_engine(verifier: torch.nn.Module, drafter: torch.nn.Module, batch: int, 
     while len(engines) >= MAX_ENGINES:
         engines.popitem(last=False)
     engine = StaticEngine(verifier, drafter, batch, capacity, vocab, max_drafts, eos_slots, device, backend,
-                          use_graphs)
+                          use_graphs, compile_models)
     engines[key] = engine
     return engine, True
 

@@ -74,9 +74,9 @@ def test_plain_and_automatic_draft_lengths_are_lossless(verifier, drafters, num_
         if num_draft_tokens == 0:
             assert set(lengths) == {0} and int(out.stats.drafted.sum()) == 0
             assert bool((out.stats.verifier_calls == 40).all())
-        else:  # on the CPU a drafter call costs about a verifier call, so "auto" mostly decodes plainly and probes
-            assert set(lengths) <= {0, 1, 2, 3, 4, 6, 8} and 0 in lengths and max(lengths) > 0
-            if name == "identical":
+        else:  # which K "auto" picks depends on measured times; what it must keep is the output
+            assert set(lengths) <= {0, 1, 2, 3, 4, 6, 8}
+            if name == "identical" and int(out.stats.drafted.sum()):
                 assert out.stats.total_acceptance_rate == 1.0
 
 
@@ -237,6 +237,17 @@ def test_gpu_sampling_with_the_triton_sampler_follows_the_verifier(static):
     pairs = out.sequences[:, -2:].cpu()
     counts = torch.bincount(pairs[:, 0] * VOCAB + pairs[:, 1], minlength=VOCAB * VOCAB)
     assert_follows(counts, law.flatten(), what="joint law of (x1, x2) on the GPU")
+
+
+@GPU
+def test_gpu_compiled_static_path_is_lossless(verifier, drafters):
+    input_ids, attention_mask = _prompts([5, 9, 2, 7], seed=4)
+    expected = _reference(verifier, input_ids, attention_mask, 24, eos_token_id=[])
+    for num_draft_tokens in (3, "auto"):
+        out = specdec.generate(verifier, drafters["close"], input_ids, attention_mask, max_new_tokens=24,
+                               num_draft_tokens=num_draft_tokens, pad_token_id=0, compile=True)
+        assert out.stats.path == "static" and out.stats.fallback_reason is None
+        assert torch.equal(out.sequences, expected)
 
 
 @GPU
