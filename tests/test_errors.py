@@ -23,8 +23,9 @@ def prompts():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"num_draft_tokens": 0}, "num_draft_tokens"),
+        ({"num_draft_tokens": -1}, "num_draft_tokens"),  # 0 is plain decoding
         ({"num_draft_tokens": 2.5}, "num_draft_tokens"),
+        ({"num_draft_tokens": "fast"}, "num_draft_tokens"),
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
