@@ -25,13 +25,15 @@ verifier computes what the drafter computes (alpha = 1), and a larger eps moves 
 target alpha, eps is found by bisection on greedy generation of the benchmark's prompts (alpha read from specdec's
 own counters); every provider then runs on that verifier. Scaling weights changes no cost.
 
-Columns: ``alpha`` is the acceptance measured on the row's own run; ``c`` is the time of one drafter decoding step
-over one verifier decoding step on the row's path (static: CUDA-graph replays of single-token steps; eager: synchronised
-eager calls); ``predicted_speedup`` = S(alpha, K, c) = (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1));
-``achieved_speedup`` = the path's tokens/s over the same path without speculation (specdec_plain for the static path,
-specdec at K = 0 with ``static=False`` for the eager path); ``first_call_s`` is the first call's wall time (graph
-capture, compilation); ``rows_identical`` is the fraction of batch rows whose tokens equal hf_eager's greedy tokens
-(bf16 changes of batch shape can flip near-ties), ``first_mismatch`` the mean index of the first differing token.
+Columns: ``alpha`` is the per-position acceptance measured on the row's own run (accepted over tested draft
+positions, the alpha of the speed-up formula); ``acceptance_rate`` is accepted over proposed drafts; ``c`` is the
+time of one drafter decoding step over one verifier decoding step on the row's path (static: CUDA-graph replays of
+single-token steps; eager: synchronised eager calls); ``predicted_speedup`` = S(alpha, K, c) =
+(1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)); ``achieved_speedup`` = the path's tokens/s over the same path without
+speculation (specdec_plain for the static path, specdec at K = 0 with ``static=False`` for the eager path,
+specdec_plain_compiled for the compiled path); ``first_call_s`` is the first call's wall time (graph capture,
+compilation); ``rows_identical`` is the fraction of batch rows whose tokens equal hf_eager's greedy tokens (bf16
+changes of batch shape can flip near-ties), ``first_mismatch`` the mean index of the first differing token.
 
     python benchmarks/bench_generate.py --model llama-1b            # rows into benchmarks/results/generate.csv
     python benchmarks/bench_generate.py --model llama-3b --batches 1,8 --ks 4
@@ -104,8 +106,9 @@ def calibrate(scale: DeepScale, verifier, drafter, prompts, target: float, new_t
     for _ in range(steps):
         mid = (low + high) / 2
         scale.set(mid)
-        alpha = specdec.generate(verifier, drafter, prompts, max_new_tokens=new_tokens, num_draft_tokens=4,
-                                 pad_token_id=0).stats.total_acceptance_rate
+        stats = specdec.generate(verifier, drafter, prompts, max_new_tokens=new_tokens, num_draft_tokens=4,
+                                 pad_token_id=0).stats
+        alpha = float(stats.accepted_per_position.sum()) / max(int(stats.attempted_per_position.sum()), 1)
         low, high = (mid, high) if alpha > target else (low, mid)
     scale.set((low + high) / 2)
     return scale.eps
@@ -181,6 +184,8 @@ def run_case(args, env: dict, verifier, drafter, scale: DeepScale | None, prompt
                          achieved_speedup=achieved and round(achieved, 3),
                          achieved_over_predicted=achieved and predicted and round(achieved / predicted, 3),
                          rows_identical=round(identical, 3), first_mismatch=round(first_mismatch, 1),
+                         acceptance_rate=round(last_stats[0].total_acceptance_rate, 4)
+                         if provider.startswith("specdec") and k else "",
                          path=last_stats[0].path if provider.startswith("specdec") else "",
                          setup_s=round(last_stats[0].setup_time_s, 3) if provider.startswith("specdec") else ""))
         print({key: rows[-1][key] for key in ("model", "alpha_target", "batch", "num_draft_tokens", "provider",
@@ -190,6 +195,10 @@ def run_case(args, env: dict, verifier, drafter, scale: DeepScale | None, prompt
     def tokens_of(out):
         last_stats[0] = out.stats
         return out.sequences[:, prompts.shape[1]:]
+
+    def alpha_of(out):
+        stats = out.stats
+        return float(stats.accepted_per_position.sum()) / max(int(stats.attempted_per_position.sum()), 1)
 
     last_stats = [None]
 
@@ -205,11 +214,11 @@ def run_case(args, env: dict, verifier, drafter, scale: DeepScale | None, prompt
     c_eager = step_cost_ratio(verifier, drafter, batch, vocab, False)
     for k in args.ks:
         first, seconds, out = timed(sd(num_draft_tokens=k), args.repeats)
-        row("specdec_static", k, first, seconds, tokens_of(out), out.stats.total_acceptance_rate, c_static,
+        row("specdec_static", k, first, seconds, tokens_of(out), alpha_of(out), c_static,
             plain_s / seconds)
         if k == args.eager_k:
             first, seconds, out = timed(sd(num_draft_tokens=k, static=False), 1)
-            row("specdec_eager", k, first, seconds, tokens_of(out), out.stats.total_acceptance_rate, c_eager,
+            row("specdec_eager", k, first, seconds, tokens_of(out), alpha_of(out), c_eager,
                 eager_plain_s / seconds)
         if batch == 1:
             schedule = dict(num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
@@ -219,7 +228,7 @@ def run_case(args, env: dict, verifier, drafter, scale: DeepScale | None, prompt
             first, seconds, out = timed(hf(assistant_model=drafter, **schedule), 1)
             row("hf_assisted", k, first, seconds, out)
     first, seconds, out = timed(sd(num_draft_tokens="auto"), args.repeats)
-    row("specdec_auto", "auto", first, seconds, tokens_of(out), out.stats.total_acceptance_rate, c_static,
+    row("specdec_auto", "auto", first, seconds, tokens_of(out), alpha_of(out), c_static,
         plain_s / seconds)
     rows[-1]["mean_draft_tokens"] = round(out.stats.summary()["mean_draft_length"], 2)
     if args.compiled:
@@ -228,10 +237,10 @@ def run_case(args, env: dict, verifier, drafter, scale: DeepScale | None, prompt
         c_compiled = step_cost_ratio(verifier, drafter, batch, vocab, True, compiled=True)
         for k in args.compiled_ks:
             first, seconds, out = timed(sd(num_draft_tokens=k, compile=True), args.repeats)
-            row("specdec_compiled", k, first, seconds, tokens_of(out), out.stats.total_acceptance_rate, c_compiled,
+            row("specdec_compiled", k, first, seconds, tokens_of(out), alpha_of(out), c_compiled,
                 plain_s / seconds)
         first, seconds, out = timed(sd(num_draft_tokens="auto", compile=True), args.repeats)
-        row("specdec_auto_compiled", "auto", first, seconds, tokens_of(out), out.stats.total_acceptance_rate,
+        row("specdec_auto_compiled", "auto", first, seconds, tokens_of(out), alpha_of(out),
             c_compiled, plain_s / seconds)
         rows[-1]["mean_draft_tokens"] = round(out.stats.summary()["mean_draft_length"], 2)
     return rows
