@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+from dataclasses import dataclass
 
 import torch
 
 CPU_PROGRAMS = 4  # "multiprocessors" off CUDA (the interpreter): a few programs, so grid-stride loops are exercised
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter runs the kernels (no PTX)
 
 
 @functools.cache
@@ -47,3 +50,27 @@ def major_capability(device: torch.device) -> int:
 def launching_on(device: torch.device) -> contextlib.AbstractContextManager:
     """Make a CUDA ``device`` current for a launch (Triton launches on the current device); a no-op elsewhere."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the launch rules read about a device.
+
+    Attributes:
+        sm_count: multiprocessors (``CPU_PROGRAMS`` off CUDA).
+        major: major compute capability (9 on Hopper; 0 off CUDA).
+        name: ``torch.cuda.get_device_name`` (``""`` off CUDA).
+        interpreter: the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``): no inline PTX.
+    """
+
+    sm_count: int
+    major: int
+    name: str
+    interpreter: bool
+
+
+def device_facts(device: torch.device | DeviceFacts) -> DeviceFacts:
+    """The :class:`DeviceFacts` of ``device`` (a ``DeviceFacts`` is returned as it is)."""
+    if isinstance(device, DeviceFacts):
+        return device
+    return DeviceFacts(sm_count(device), major_capability(device), device_name(device), INTERPRETER)

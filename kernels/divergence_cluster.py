@@ -1,9 +1,9 @@
 """Cluster kernels (Hopper): the divergence forward and the loss with its gradient, each logit read from DRAM once.
 
-The one-program-per-row kernels (``kernels/divergence.py``) read every row twice: TV / alpha and the gradient need
-the row's normalisers, i.e. the whole row, and a 608 KB row pair (V = 151936, bf16) does not stay in L2 while 1000+
-rows are in flight. Here a row is split over the ``C`` CTAs of a thread-block cluster (``C`` consecutive programs;
-CTA ``rank`` owns columns ``[rank * chunk_cols, (rank + 1) * chunk_cols)``), whose chunks of both rows fit in shared
+The one-program-per-row kernel (:mod:`.divergence`) reads every row twice: TV / alpha and the gradient need the
+row's normalisers, i.e. the whole row, and a 608 KB row pair (V = 151936, bf16) does not stay in L2 while 1000+ rows
+are in flight. Here a row is split over the ``C`` CTAs of a thread-block cluster (``C`` consecutive programs; CTA
+``rank`` owns columns ``[rank * chunk_cols, (rank + 1) * chunk_cols)``), whose chunks of both rows fit in shared
 memory. Each persistent cluster walks rows ``cid, cid + n_clusters, ...``; per row each CTA
 
 1. reduces its chunk tile by tile as the tiles land (``cp.async``, one commit group per tile): per-lane online
@@ -23,27 +23,11 @@ memory. Each persistent cluster walks rows ``cid, cid + n_clusters, ...``; per r
 Traffic: both inputs read once (+ the gradient written once): 2 units of [N, V] for the forward (row kernel: 4), 3 for
 the loss (row kernel: 5). Every thread copies and reads only its own 16-byte pieces, so the row chunks are reached
 through inline PTX (``ld.shared``, ``cp.async``) in a region after the compiler's own shared memory, where the
-compiler's analysis would otherwise put a CTA-wide barrier before every copy and read. Measured (NOTES_divergence.md,
-"Session 13"; bf16, kernel only): forward 16384 x 151936 4.64 ms on an H100 (74% of copy; row kernel 6.44 ms) and
-4.61 ms on an H200 (row kernel 4.64-4.98); loss 5.50 ms (H100, row 8.30) and 4.60-4.64 ms (H200, row 5.85-5.94).
-
-Triton 3.6 (the GPU machine's) has no cluster launch API for ordinary kernels, but its launcher already passes the
-kernel's ``num_ctas`` to ``cuLaunchKernelEx`` as the cluster dimension: the kernel is compiled as an ordinary one-CTA
-program and its launch metadata is patched to ``num_ctas = C`` and the region's shared-memory size
-(``_patch_cluster``). The kernels are written in Gluon (Triton's explicit-layout dialect). Anything unexpected
-(another Triton, a compile error, a refused launch) turns the path off for the process, with a warning, and the row
-kernels run instead.
+compiler's analysis would otherwise put a CTA-wide barrier before every copy and read. The kernels are written in
+Gluon (Triton's explicit-layout dialect); :mod:`.divergence_cluster_launch` compiles and launches them as clusters.
 """
 
 from __future__ import annotations
-
-import os
-import warnings
-
-import torch
-import triton
-
-from ._device import sm_count
 
 try:
     from triton.experimental import gluon
@@ -53,8 +37,7 @@ try:
 except ImportError:  # pragma: no cover - depends on the Triton build
     HAVE_GLUON = False
 
-LOG2E = 1.4426950408889634
-CLUSTER_SIZES = (2, 4, 8)  # 16 is capped at 7-8 active clusters per H100 (NOTES_divergence.md, "Session 12")
+CLUSTER_SIZES = (2, 4, 8)  # 16 CTAs: at most 7-8 active clusters on an H100
 LANE_COLUMNS = 8  # K: contiguous columns per lane per tile (16-byte cp.async for 16-bit logits)
 NUM_WARPS = 8
 SMEM_PER_CTA = 110 * 1024  # one slot (both rows of a chunk) small enough for two CTAs per SM
@@ -309,19 +292,33 @@ if HAVE_GLUON:
                                          dtype=(gl.float32, gl.float32), is_pure=False, pack=1)
 
     @gluon.jit
+    def _common_max(mx, my, sx, sy, FTZ: gl.constexpr):
+        """Combining parts (lanes or chunks) of online statistics: the maxima ``gmx, gmy`` over the parts, the same
+        with ``-inf`` read as 0 (``gx, gy``: the reference point), which parts hold anything (sum != 0: an all
+        ``-inf`` part drops out; NaN sums propagate) and each part's rescale factor ``2^(m - g)`` (FTZ: one
+        ``ex2.approx.ftz``), 0 for an empty part."""
+        NEG_INF: gl.constexpr = float("-inf")
+        gmx = gl.max(mx, 0)
+        gmy = gl.max(my, 0)
+        gx = gl.where(gmx == NEG_INF, 0.0, gmx)
+        gy = gl.where(gmy == NEG_INF, 0.0, gmy)
+        live_x = sx != 0.0
+        live_y = sy != 0.0
+        if FTZ:
+            f_x = gl.where(live_x, _exp2(mx - gx), 0.0)
+            f_y = gl.where(live_y, _exp2(my - gy), 0.0)
+        else:
+            f_x = gl.where(live_x, gl.exp2(mx - gx), 0.0)
+            f_y = gl.where(live_y, gl.exp2(my - gy), 0.0)
+        return gmx, gmy, gx, gy, live_x, live_y, f_x, f_y
+
+    @gluon.jit
     def _publish_chunk(slot, lanes, mx, my, sx, sy, s3, s4, C: gl.constexpr, FORWARD: gl.constexpr):
         """Combine the lanes into the chunk's ``(mx, sx, my, sy, s3, s4)`` and push them to every CTA of the
         cluster at byte ``slot`` (this CTA's slot of the current parity). ``s3`` is relative to the x maximum
         (forward) or the y maximum (loss); ``s4`` only rescales."""
         NEG_INF: gl.constexpr = float("-inf")
-        gmx = gl.max(mx, 0)
-        gmy = gl.max(my, 0)
-        gmx_ref = gl.where(gmx == NEG_INF, 0.0, gmx)
-        gmy_ref = gl.where(gmy == NEG_INF, 0.0, gmy)
-        live_x = sx != 0.0
-        live_y = sy != 0.0
-        f_x = gl.where(live_x, _exp2(mx - gmx_ref), 0.0)
-        f_y = gl.where(live_y, _exp2(my - gmy_ref), 0.0)
+        gmx, gmy, gmx_ref, gmy_ref, live_x, live_y, f_x, f_y = _common_max(mx, my, sx, sy, True)
         if FORWARD:
             shift = mx - gmx_ref
         else:
@@ -341,14 +338,7 @@ if HAVE_GLUON:
         NEG_INF: gl.constexpr = float("-inf")
         mx_c, sx_c, my_c, sy_c = _read4(slots)
         s3_c, s4_c = _read2(slots + 16)
-        gx = gl.max(mx_c, 0)
-        gy = gl.max(my_c, 0)
-        gx = gl.where(gx == NEG_INF, 0.0, gx)
-        gy = gl.where(gy == NEG_INF, 0.0, gy)
-        live_x = sx_c != 0.0
-        live_y = sy_c != 0.0
-        f_x = gl.where(live_x, gl.exp2(mx_c - gx), 0.0)
-        f_y = gl.where(live_y, gl.exp2(my_c - gy), 0.0)
+        _, _, gx, gy, live_x, live_y, f_x, f_y = _common_max(mx_c, my_c, sx_c, sy_c, False)
         if FORWARD:
             shift = gl.where(live_x, mx_c - gx, 0.0)
         else:
@@ -403,6 +393,24 @@ if HAVE_GLUON:
         xp = xs + 2 * C * 32
         return cid, rank, c0, c1, lanes, offs2, piece, piece2, goffs, xs, xp
 
+    @gluon.jit
+    def _first_row(piece, v_ptr, d_ptr, stride_v, stride_d, mask_ptr, cid, n_rows, c0, c1, lanes,
+                   HAS_MASK: gl.constexpr, NT: gl.constexpr, TILE_: gl.constexpr, R: gl.constexpr, K: gl.constexpr):
+        """Issue the copies of the cluster's first row ``cid`` and wait until every CTA of the cluster runs (before
+        any CTA writes into another's shared memory). Returns whether the row is kept."""
+        keep = _row_kept(mask_ptr, cid, n_rows, HAS_MASK)
+        _issue_row(piece, v_ptr + cid.to(gl.int64) * stride_v, d_ptr + cid.to(gl.int64) * stride_d, c0, c1, lanes,
+                   keep, NT, TILE_, R, K)
+        _cluster_barrier()
+        return keep
+
+    @gluon.jit
+    def _next_row(v_ptr, d_ptr, stride_v, stride_d, mask_ptr, row, n_rows, n_clusters, HAS_MASK: gl.constexpr):
+        """The cluster's row after ``row``: whether it is kept, and its verifier and drafter row pointers."""
+        nxt64 = (row + n_clusters).to(gl.int64)
+        keep_next = _row_kept(mask_ptr, row + n_clusters, n_rows, HAS_MASK)
+        return keep_next, v_ptr + nxt64 * stride_v, d_ptr + nxt64 * stride_d
+
     # n_rows and n_clusters change from call to call; mask / weight / count may be views at any offset: none of them
     # specialises the kernel, so one compiled kernel per (dtypes, flags, layout) serves every call (see _COMPILED)
     @gluon.jit(do_not_specialize=["n_rows", "n_clusters", "region"],
@@ -426,18 +434,14 @@ if HAVE_GLUON:
         if HAS_COUNT:  # "mean" over a mask: 1 / max(count, 1), counted on the device (no host sync)
             w_base = w_base / gl.maximum(gl.load(count_ptr), 1.0)
         n_mine = gl.cdiv(n_rows - cid, n_clusters)
-        keep = _row_kept(mask_ptr, cid, n_rows, HAS_MASK)
-        _issue_row(piece, v_ptr + cid.to(gl.int64) * stride_v, d_ptr + cid.to(gl.int64) * stride_d, c0, c1, lanes,
-                   keep, NT, TILE_, R, K)
-        _cluster_barrier()  # every CTA of the cluster runs before any writes into another's shared memory
+        keep = _first_row(piece, v_ptr, d_ptr, stride_v, stride_d, mask_ptr, cid, n_rows, c0, c1, lanes, HAS_MASK,
+                          NT, TILE_, R, K)
         for it in range(0, n_mine):
             row = cid + it * n_clusters
             row64 = row.to(gl.int64)
             g_row = g_ptr + row64 * stride_g
-            nxt64 = (row + n_clusters).to(gl.int64)
-            keep_next = _row_kept(mask_ptr, row + n_clusters, n_rows, HAS_MASK)
-            v_next = v_ptr + nxt64 * stride_v
-            d_next = d_ptr + nxt64 * stride_d
+            keep_next, v_next, d_next = _next_row(v_ptr, d_ptr, stride_v, stride_d, mask_ptr, row, n_rows, n_clusters,
+                                                  HAS_MASK)
             if keep:  # the same for every CTA of the cluster (one row), so the barrier below stays matched
                 mx, my, sx, sy, tt, s4 = _lane_stats(piece2, c0, c1, offs2, scale2, dtype, False, NT, N_FULL, TILE_, R,
                                                      layout)
@@ -506,17 +510,13 @@ if HAVE_GLUON:
         pending = cid * 0 - 1
         pending_ce = scale2 * 0.0
         pending_kl = scale2 * 0.0
-        keep = _row_kept(mask_ptr, cid, n_rows, HAS_MASK)
-        _issue_row(piece, v_ptr + cid.to(gl.int64) * stride_v, d_ptr + cid.to(gl.int64) * stride_d, c0, c1, lanes,
-                   keep, NT, TILE_, R, K)
-        _cluster_barrier()  # every CTA of the cluster runs before any writes into another's shared memory
+        keep = _first_row(piece, v_ptr, d_ptr, stride_v, stride_d, mask_ptr, cid, n_rows, c0, c1, lanes, HAS_MASK,
+                          NT, TILE_, R, K)
         for it in range(0, n_mine):
             row = cid + it * n_clusters
             row64 = row.to(gl.int64)
-            nxt64 = (row + n_clusters).to(gl.int64)
-            keep_next = _row_kept(mask_ptr, row + n_clusters, n_rows, HAS_MASK)
-            v_next = v_ptr + nxt64 * stride_v
-            d_next = d_ptr + nxt64 * stride_d
+            keep_next, v_next, d_next = _next_row(v_ptr, d_ptr, stride_v, stride_d, mask_ptr, row, n_rows, n_clusters,
+                                                  HAS_MASK)
             if keep:
                 mx, my, sx, sy, rr, ee = _lane_stats(piece2, c0, c1, offs2, scale2, dtype, True, NT, N_FULL, TILE_, R,
                                                      layout)
@@ -583,13 +583,6 @@ if HAVE_GLUON:
         _wait(0)
 
 
-# "broken": the path is off for the process after a failure; "launches": kernel launches so far (tests check which
-# path ran)
-_STATE = {"broken": False, "launches": 0}
-# (kernel, device, dtypes, flags, layout) -> (compiled kernel patched to launch as clusters, clusters that fit at once)
-_COMPILED: dict[tuple, tuple] = {}
-
-
 def cluster_layout(vocab: int, elem_bytes: int) -> tuple[int, int, int, int] | None:
     """``(C, chunk_cols, NT, N_FULL)``: the smallest cluster whose chunk of both rows (``NT`` tiles of ``TILE``
     columns, a 16-column aligned ``chunk_cols`` per CTA) fits ``SMEM_PER_CTA``, and ``N_FULL``, the number of leading
@@ -604,173 +597,7 @@ def cluster_layout(vocab: int, elem_bytes: int) -> tuple[int, int, int, int] | N
     return None
 
 
-def cluster_supported(verifier_dtype: torch.dtype, drafter_dtype: torch.dtype, vocab: int, aligned: bool,
-                      min_vocab: int) -> bool:
-    """The shape and dtype part of the rule: the same 16-bit dtype on both inputs, ``V >= min_vocab``, ``V`` a
-    multiple of 16, rows 16-element aligned (``aligned``: 16-byte ``cp.async``), and a layout that fits shared
-    memory."""
-    if verifier_dtype != drafter_dtype or verifier_dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if vocab < min_vocab or vocab % 16 or not aligned:
-        return False
-    return cluster_layout(vocab, 2) is not None  # 2 bytes: bf16 / fp16
-
-
-def cluster_eligible(verifier_logits: torch.Tensor, drafter_logits: torch.Tensor, grad_out: torch.Tensor | None,
-                     device_major: int, min_vocab: int) -> bool:
-    """Whether the cluster kernels apply (``grad_out``: the loss's gradient, None for the forward): CUDA on Hopper
-    (sm_90, where they were measured), not the interpreter, Gluon importable, the path not turned off by an earlier
-    failure, and ``cluster_supported``."""
-    if _STATE["broken"] or not HAVE_GLUON or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    if verifier_logits.device.type != "cuda" or device_major != 9:
-        return False
-    rows = (verifier_logits, drafter_logits) + ((grad_out,) if grad_out is not None else ())
-    aligned = all(t.stride(-1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in rows)
-    return cluster_supported(verifier_logits.dtype, drafter_logits.dtype, verifier_logits.shape[1], aligned,
-                             min_vocab)
-
-
-def _patch_cluster(compiled, cluster_size: int, shared: int) -> None:
-    """Launch ``compiled`` as clusters of ``cluster_size`` CTAs with ``shared`` bytes of dynamic shared memory:
-    Triton 3.6's launcher reads ``packed_metadata = (num_warps, num_ctas, shared)`` and passes ``num_ctas`` to
-    ``cuLaunchKernelEx`` as the cluster dimension (grid x ``num_ctas`` CTAs)."""
-    packed = compiled.packed_metadata
-    if not (isinstance(packed, tuple) and len(packed) == 3 and packed[1] in (1, cluster_size)):
-        raise RuntimeError(f"unexpected launch metadata {packed!r} (Triton {triton.__version__})")
-    compiled.packed_metadata = (packed[0], cluster_size, shared)  # idempotent: Triton's cache may hand it back
-
-
-def _give_up(what: str, exc: Exception) -> None:
-    """Turn the cluster path off for the process, with a warning; the caller falls back to the row kernel."""
-    _STATE["broken"] = True
-    warnings.warn(f"specdec: the cluster divergence kernel {what} ({type(exc).__name__}: {exc}); using the "
-                  "one-program-per-row kernel", RuntimeWarning, stacklevel=4)
-
-
 def region_bytes(cluster_size: int, nt: int) -> int:
     """Bytes of this module's shared-memory region: the row chunks (``2 * nt * TILE`` 16-bit logits) and the
     exchange slots (``[2, C]`` x 32 bytes of statistics, ``[2, C]`` x 8 bytes of pass-2 sums)."""
     return 2 * nt * TILE * 2 + 2 * cluster_size * (32 + 8)
-
-
-def _launch(kernel, key: tuple, arguments, constexprs: dict, c: int, nt: int, n_rows: int,
-            device: torch.device) -> bool:
-    """Launch ``kernel`` as persistent clusters of ``c`` CTAs (``arguments(n_clusters, region)``: its runtime
-    arguments). The first call per ``key`` compiles it, places the row-chunk region after the compiler's own shared
-    memory (``region``, 128-byte aligned; ``region_bytes`` long), sizes the grid with the occupancy API
-    and patches the launch; later calls launch the compiled kernel directly (no JIT dispatch). False (after a
-    warning, for the rest of the process) if it cannot be built or launched as a cluster."""
-    if key not in _COMPILED:
-        try:
-            estimate = max(1, sm_count(device) * 2 // c)
-            compiled = kernel.warmup(*arguments(estimate, 0), grid=(estimate * c,), **constexprs,
-                                     num_warps=NUM_WARPS)
-            region = getattr(compiled, "_specdec_region", None)
-            if region is None:  # not yet patched (Triton's cache may hand back a patched kernel for another key)
-                region = -(-compiled.metadata.shared // 128) * 128
-                compiled.metadata = compiled.metadata._replace(shared=region + region_bytes(c, nt))
-                compiled._specdec_region = region
-                compiled.module = None  # (re)load below with the new size: it sets the function's shared-memory limit
-            compiled._init_handles()  # after the shared-memory size is final: it sets the function's limit
-            shared = compiled.metadata.shared
-            fit = int(triton.runtime.driver.active.utils.cuOccupancyMaxActiveClusters(compiled.function, shared, c))
-            if fit < 1:
-                raise RuntimeError(f"no cluster of {c} CTAs fits ({shared} bytes of shared memory)")
-            _patch_cluster(compiled, c, shared)
-            _COMPILED[key] = (compiled, fit, region)
-        except Exception as exc:  # noqa: BLE001 - any failure here falls back to the row kernel
-            _give_up("is unavailable", exc)
-            return False
-    compiled, fit, region = _COMPILED[key]
-    n_clusters = min(n_rows, fit)
-    try:
-        # the launcher takes every parameter in order, constexprs included (it skips them), as the JIT path does
-        compiled[(n_clusters, 1, 1)](*arguments(n_clusters, region), *constexprs.values())
-    except Exception as exc:  # noqa: BLE001 - a refused launch (cuLaunchKernelEx) falls back to the row kernel
-        _give_up("could not be launched", exc)
-        return False
-    _STATE["launches"] += 1
-    return True
-
-
-def launch_cluster_loss(verifier_logits: torch.Tensor, drafter_logits: torch.Tensor, temperature: float,
-                        grad_out: torch.Tensor, *, mask: torch.Tensor | None = None,
-                        weights: torch.Tensor | None = None, grad_scale: float = 1.0,
-                        grad_count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(ce, status)`` ([N] float32 H(p, q), [N] int32 status as in ``kernels/divergence.py``) with ``grad_out``
-    ([N, V]) filled with ``weights[n] * grad_scale * (q - p) / T`` (divided by ``max(grad_count, 1)`` when given);
-    masked rows (``mask`` [N], nonzero = kept) get 0 everywhere. Call only where ``cluster_eligible``; returns None
-    (after a warning, for the rest of the process) if the kernel cannot be built or launched as a cluster."""
-    n_rows, vocab = verifier_logits.shape
-    device = verifier_logits.device
-    c, chunk_cols, nt, n_full = cluster_layout(vocab, verifier_logits.element_size())
-    ce = torch.empty(n_rows, dtype=torch.float32, device=device)
-    status = torch.empty(n_rows, dtype=torch.int32, device=device)
-    if n_rows == 0:
-        return ce, status
-    # one compiled kernel per key: the side inputs always reach it as uint8 / float32 / float32
-    mask = _as_uint8(mask)
-    weights = weights.to(torch.float32).contiguous() if weights is not None else None
-    grad_count = grad_count.to(torch.float32).reshape(1) if grad_count is not None else None
-    constexprs = dict(HAS_MASK=mask is not None, HAS_WEIGHTS=weights is not None, HAS_COUNT=grad_count is not None,
-                      C=c, NT=nt, N_FULL=n_full, K=LANE_COLUMNS, WARPS=NUM_WARPS)
-    key = ("loss", device.index, verifier_logits.dtype, grad_out.dtype, *constexprs.values())
-
-    def arguments(clusters: int, region: int) -> tuple:
-        return (verifier_logits, drafter_logits, grad_out, verifier_logits.stride(0), drafter_logits.stride(0),
-                grad_out.stride(0), mask if mask is not None else ce, weights if weights is not None else ce,
-                grad_count if grad_count is not None else ce, ce, status, n_rows, vocab, chunk_cols,
-                clusters, region, LOG2E / temperature, grad_scale / temperature)
-
-    if not _launch(_cluster_loss_kernel, key, arguments, constexprs, c, nt, n_rows, device):
-        return None
-    return ce, status
-
-
-def launch_cluster_forward(verifier_logits: torch.Tensor, drafter_logits: torch.Tensor, temperature: float, *,
-                           mask: torch.Tensor | None = None, task_ids: torch.Tensor | None = None,
-                           num_tasks: int | None = None) -> tuple | None:
-    """``(ce, kl, tv, alpha, status, per_task)`` as ``kernels/divergence.py``'s ``launch_divergence`` returns them
-    ([N] float32 / int32; ``per_task`` 4 float64 sums and an int64 count over ``task_ids`` [N] in ``[0, num_tasks)``,
-    negative ids left out, or None); masked rows (``mask`` [N], nonzero = kept) get 0. Call only where
-    ``cluster_eligible``; returns None (after a warning, for the rest of the process) if the kernel cannot be built
-    or launched as a cluster."""
-    n_rows, vocab = verifier_logits.shape
-    device = verifier_logits.device
-    c, chunk_cols, nt, n_full = cluster_layout(vocab, verifier_logits.element_size())
-    f32 = dict(dtype=torch.float32, device=device)
-    ce, kl, tv, alpha = (torch.empty(n_rows, **f32) for _ in range(4))
-    status = torch.empty(n_rows, dtype=torch.int32, device=device)
-    has_tasks = task_ids is not None
-    sums = [torch.zeros(num_tasks, dtype=torch.float64, device=device) for _ in range(4)] if has_tasks else None
-    count = torch.zeros(num_tasks, dtype=torch.int64, device=device) if has_tasks else None
-    per_task = (*sums, count) if has_tasks else None
-    if n_rows == 0:
-        return ce, kl, tv, alpha, status, per_task
-    mask = _as_uint8(mask)
-    task_ids = task_ids.to(torch.int64).contiguous() if has_tasks else None
-    constexprs = dict(HAS_MASK=mask is not None, HAS_TASKS=has_tasks, C=c, NT=nt, N_FULL=n_full, K=LANE_COLUMNS,
-                      WARPS=NUM_WARPS)
-    key = ("forward", device.index, verifier_logits.dtype, *constexprs.values())
-
-    def arguments(clusters: int, region: int) -> tuple:
-        return (verifier_logits, drafter_logits, verifier_logits.stride(0), drafter_logits.stride(0),
-                mask if mask is not None else ce, task_ids if has_tasks else ce, ce, kl, tv, alpha,
-                status, *(sums if has_tasks else [ce] * 4), count if has_tasks else ce, n_rows, vocab, chunk_cols,
-                clusters, region, LOG2E / temperature)
-
-    if not _launch(_cluster_forward_kernel, key, arguments, constexprs, c, nt, n_rows, device):
-        return None
-    return ce, kl, tv, alpha, status, per_task
-
-
-def _as_uint8(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """A row mask as contiguous uint8 (nonzero = kept), the one dtype the compiled kernels take."""
-    if mask is None:
-        return None
-    return (mask if mask.dtype == torch.uint8 else mask != 0).to(torch.uint8).contiguous()
-
-
-__all__ = ["HAVE_GLUON", "cluster_eligible", "cluster_layout", "cluster_supported", "launch_cluster_forward",
-           "launch_cluster_loss"]

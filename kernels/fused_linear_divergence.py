@@ -16,6 +16,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .divergence import (
+    DivergencePlan,
     check_first_backward,
     launch_divergence,
     loss_scale,
@@ -47,7 +48,8 @@ class FusedLinearDivergenceFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, verifier_logits: torch.Tensor,
                 weights: torch.Tensor | None, mask: torch.Tensor | None, temperature: float, reduction: str,
-                chunk_size: int | None, check_inputs: bool = False) -> torch.Tensor:
+                chunk_size: int | None, check_inputs: bool = False,
+                plan: DivergencePlan | None = None) -> torch.Tensor:
         n_rows, _ = hidden.shape
         vocab = weight.shape[0]
         scale, count = loss_scale(reduction, n_rows, mask)
@@ -69,7 +71,7 @@ class FusedLinearDivergenceFunction(torch.autograd.Function):
                 verifier_logits[start:end], logits_c, temperature,
                 mask=mask_u8[start:end] if mask_u8 is not None else None, compute_tv=False,
                 grad_out=logits_c if need_grad else None,
-                weights=w32[start:end] if w32 is not None else None, grad_scale=scale, grad_count=count)
+                weights=w32[start:end] if w32 is not None else None, grad_scale=scale, grad_count=count, plan=plan)
             if need_h:
                 torch.mm(logits_c, weight, out=grad_hidden[start:end])
             if need_w:
@@ -90,13 +92,15 @@ class FusedLinearDivergenceFunction(torch.autograd.Function):
         for grad in (grad_hidden, grad_weight):
             if grad is not None:
                 rescale_gradient(grad, grad_output)  # in place on the device, no sync
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 def fused_linear_divergence_loss_triton(hidden: torch.Tensor, weight: torch.Tensor, verifier_logits: torch.Tensor,
                                         weights: torch.Tensor | None, mask: torch.Tensor | None, temperature: float,
                                         reduction: str, chunk_size: int | None = None,
-                                        check_inputs: bool = False) -> torch.Tensor:
-    """Triton path of :func:`specdec.fused_linear_divergence_loss` (0-dim float32)."""
+                                        check_inputs: bool = False,
+                                        plan: DivergencePlan | None = None) -> torch.Tensor:
+    """Triton path of :func:`specdec.fused_linear_divergence_loss` (0-dim float32); ``plan``: the divergence
+    kernel's plan for every chunk (default :func:`~specdec.kernels.divergence.divergence_plan` per chunk)."""
     return FusedLinearDivergenceFunction.apply(hidden, weight, verifier_logits.detach(), weights, mask, temperature,
-                                               reduction, chunk_size, check_inputs)
+                                               reduction, chunk_size, check_inputs, plan)

@@ -203,9 +203,9 @@ def divergence(
     triton_path = use_triton(backend, device) and temperature > 0 and num_rows > 0
 
     if triton_path:
-        from specdec.kernels.divergence import divergence_triton, raise_on_bad_status
+        from specdec.kernels.divergence import launch_divergence, raise_on_bad_status
 
-        ce, kl, tv, alpha, status, sums = divergence_triton(
+        ce, kl, tv, alpha, status, sums = launch_divergence(
             verifier_logits, drafter_logits, temperature, mask=mask, task_ids=task_ids, num_tasks=num_tasks)
         if check_inputs:
             raise_on_bad_status(status)

@@ -7,6 +7,7 @@ kernel, and by ``conftest.py``); small shapes only. Large vocabularies (V = 1519
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -29,15 +30,6 @@ gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="large vocab
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-5, torch.float16: 2e-5}
 
 
-@pytest.fixture(params=[0, 2], ids=["pass1_tile_sums", "pass1_fused_reductions"])
-def pass1(request):
-    """Both pass-1 variants of the kernel: sums reduced per tile (version 1) and one multi-operand reduction per
-    tile with the cross-entropy-only accumulator for the loss (``pass1=2``, the default)."""
-    previous = kdiv.set_config(pass1=request.param)
-    yield request.param
-    kdiv.set_config(**previous)
-
-
 def _logits(n: int, v: int, seed: int, scale: float = 3.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, v, generator=g) * scale
@@ -57,6 +49,17 @@ def _hard_rows(v: torch.Tensor, d: torch.Tensor) -> None:
     v[5, 3] = 200.0
 
 
+def _plan(v: torch.Tensor, loss: bool = False, **changes) -> kdiv.DivergencePlan:
+    """The automatic plan of ``v``'s shape, dtype and device, with ``changes``."""
+    return replace(kdiv.divergence_plan(v.shape[0], v.shape[1], v.dtype, v.device, loss=loss), **changes)
+
+
+def _output(launched: tuple) -> sd.DivergenceOutput:
+    """``launch_divergence``'s tuple as the public result."""
+    ce, kl, tv, alpha, _, sums = launched
+    return sd.DivergenceOutput(ce, kl, tv, alpha, sd.PerTaskDivergence(*sums) if sums is not None else None)
+
+
 def _check(out: sd.DivergenceOutput, ref: tuple, tol: float, mask: torch.Tensor | None = None) -> None:
     for got, want in zip((out.cross_entropy, out.kl, out.tv, out.alpha), ref[:4], strict=True):
         want = want.to(got.device)
@@ -71,7 +74,7 @@ def _check(out: sd.DivergenceOutput, ref: tuple, tol: float, mask: torch.Tensor 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("n", "vocab", "temperature"), [(47, 123, 1.0), (13, 700, 0.7), (7, 1030, 1.9)])
-def test_forward_matches_float64_reference(pass1, dtype: torch.dtype, n: int, vocab: int, temperature: float) -> None:
+def test_forward_matches_float64_reference(dtype: torch.dtype, n: int, vocab: int, temperature: float) -> None:
     v, d = _logits(n, vocab, 1, dtype=dtype), _logits(n, vocab, 2, dtype=dtype)
     _hard_rows(v, d)
     out = sd.divergence(v, d, temperature, backend="triton")
@@ -91,11 +94,8 @@ def test_per_task_sums_mask_and_grid_stride_loop() -> None:
     task_ids = torch.randint(-1, num_tasks, (n,), generator=g).to(DEVICE)
     mask = (torch.rand(n, generator=g) > 0.2).to(DEVICE)
     mask[1] = False  # the +inf row: keep the sums finite
-    previous = kdiv.set_config(programs=5)  # 5 programs stride over 47 rows
-    try:
-        out = sd.divergence(v, d, 1.3, task_ids=task_ids, num_tasks=num_tasks, mask=mask, backend="triton")
-    finally:
-        kdiv.set_config(**previous)
+    out = _output(kdiv.launch_divergence(v, d, 1.3, task_ids=task_ids, num_tasks=num_tasks, mask=mask,
+                                         plan=_plan(v, programs=5)))  # 5 programs stride over 47 rows
     ref = divergence_reference(v.double(), d.double(), 1.3, mask=mask, task_ids=task_ids, num_tasks=num_tasks)
     _check(out, ref, 2e-5, mask)
     counted = mask & (task_ids >= 0)
@@ -110,20 +110,17 @@ def test_per_task_sums_mask_and_grid_stride_loop() -> None:
     torch.testing.assert_close(pt.count, ref[4][4])
 
 
-@pytest.mark.parametrize(("n", "vocab", "programs"), [(13, 700, 0), (9, 1030, 4)])
-def test_forward_and_gradient_hard_rows_grid_stride(pass1, n: int, vocab: int, programs: int) -> None:
+@pytest.mark.parametrize(("n", "vocab", "programs"), [(13, 700, None), (9, 1030, 4)])
+def test_forward_and_gradient_hard_rows_grid_stride(n: int, vocab: int, programs: int | None) -> None:
     """Forward and loss gradient against float64 on the hard rows, one program per row and a grid-stride loop
     (4 programs over 9 rows); several tiles a row under the interpreter (tile 256) with a last partial tile."""
     v, d0 = _logits(n, vocab, 31), _logits(n, vocab, 32)
     _hard_rows(v, d0)
     d0[1, 5] = 0.0  # keep every cross-entropy finite for the gradient check
-    previous = kdiv.set_config(programs=programs)
-    try:
-        out = sd.divergence(v, d0, 0.8, backend="triton")
-        d = d0.clone().requires_grad_()
-        sd.divergence_loss(d, v, temperature=0.8, reduction="sum", backend="triton").backward()
-    finally:
-        kdiv.set_config(**previous)
+    out = _output(kdiv.launch_divergence(v, d0, 0.8, plan=_plan(v, programs=programs or n)))
+    d = d0.clone().requires_grad_()
+    loss_plan = _plan(v, loss=True, programs=programs or n)
+    kdiv.divergence_loss_triton(d, v, None, None, 0.8, "sum", plan=loss_plan).backward()
     _check(out, divergence_reference(v.double(), d0.double(), 0.8), 2e-5)
     d64 = d0.double().requires_grad_()
     divergence_reference(v.double(), d64, 0.8)[0].sum().backward()
@@ -144,7 +141,7 @@ def test_backends_agree_through_the_public_api() -> None:
 
 @pytest.mark.parametrize(("bad", "needle"), [("nan", "verifier_logits"), ("inf", "drafter_logits"),
                                              ("all_neg_inf", "drafter_logits")])
-def test_kernel_flags_bad_rows(pass1, bad: str, needle: str) -> None:
+def test_kernel_flags_bad_rows(bad: str, needle: str) -> None:
     v, d = _logits(6, 50, 8), _logits(6, 50, 9)
     if bad == "nan":
         v[2, 3] = float("nan")
@@ -158,7 +155,7 @@ def test_kernel_flags_bad_rows(pass1, bad: str, needle: str) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
-def test_loss_gradient_matches_autograd_through_reference(pass1, dtype: torch.dtype, reduction: str) -> None:
+def test_loss_gradient_matches_autograd_through_reference(dtype: torch.dtype, reduction: str) -> None:
     n, vocab, temperature = 21, 300, 0.8
     v, d0 = _logits(n, vocab, 10, dtype=dtype), _logits(n, vocab, 11, dtype=dtype)
     v[0, :50] = NEG_INF
@@ -179,7 +176,7 @@ def test_loss_gradient_matches_autograd_through_reference(pass1, dtype: torch.dt
     assert bool((d.grad[[3, 4]] == 0).all())
 
 
-def test_loss_without_grad_and_default_weights(pass1) -> None:
+def test_loss_without_grad_and_default_weights() -> None:
     v, d = _logits(7, 130, 13), _logits(7, 130, 14)
     loss = sd.divergence_loss(d, v, backend="triton", reduction="mean")
     ref = divergence_reference(v.double(), d.double(), 1.0)[0].mean()
@@ -187,7 +184,7 @@ def test_loss_without_grad_and_default_weights(pass1) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_linear_gradients_match_autograd(pass1, dtype: torch.dtype) -> None:
+def test_fused_linear_gradients_match_autograd(dtype: torch.dtype) -> None:
     n, hidden, vocab = 29, 24, 200
     g = torch.Generator().manual_seed(15)
     h0 = torch.randn(n, hidden, generator=g).to(dtype).to(DEVICE)
@@ -212,87 +209,20 @@ def test_fused_linear_gradients_match_autograd(pass1, dtype: torch.dtype) -> Non
     assert bool((h.grad[7] == 0).all())
 
 
-# ------------------------------------------------------------------------------- rows split into column chunks
-@pytest.fixture
-def small_chunks():
-    """Tiles of 32 columns and one or two tiles per chunk: many chunks per row even at small V (on the CPU)."""
-    def apply(**settings):
-        kdiv.set_config(**{"split": 1, **settings})
-
-    previous = dict(kdiv._CONFIG)
-    yield apply
-    kdiv.set_config(**previous)
-
-
-def test_chunk_layout_is_balanced_and_covers_the_row() -> None:
-    for vocab in (1, 31, 32, 33, 300, 1030, 32000, 151936):
-        for block in (32, 256, 2048):
-            for tiles in (1, 2, 3, 4, 8):
-                n_chunks, cols = kdiv.chunk_layout(vocab, block, tiles)
-                assert cols % block == 0 and cols <= max(tiles, 1) * block
-                assert (n_chunks - 1) * cols < vocab <= n_chunks * cols  # no empty chunk, nothing left over
-    assert kdiv.chunk_layout(151936, 2048, 4) == (19, 8192)
-
-
-@pytest.mark.parametrize(("block", "tiles"), [(32, 1), (32, 3), (64, 2)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_many_chunks_per_row_forward(small_chunks, block: int, tiles: int, dtype: torch.dtype) -> None:
-    n, vocab, temperature = 11, 300, 0.9
-    small_chunks(interpret_block=block, interpret_chunk_tiles=tiles, block=block, chunk_tiles=tiles)
-    v, d = _logits(n, vocab, 30, dtype=dtype), _logits(n, vocab, 31, dtype=dtype)
-    _hard_rows(v, d)  # row 0: the first chunks are all -inf on both sides
-    v[6, :-5] = NEG_INF  # p lives in the last chunk only
-    d[6, :-5] = NEG_INF
-    v[7, :] = NEG_INF
-    v[7, 40] = 1.0  # p is one-hot inside an early chunk, q spread over every chunk
-    d[8, 200:] -= 40.0  # the maxima of the two rows in different chunks
-    task_ids = (torch.arange(n) % 3 - 1).to(DEVICE)
-    out = sd.divergence(v, d, temperature, task_ids=task_ids, num_tasks=2, backend="triton")
-    ref = divergence_reference(v.double(), d.double(), temperature, task_ids=task_ids, num_tasks=2)
-    _check(out, ref, TOL[dtype])
-    assert float(out.kl[3]) == 0.0 and float(out.tv[3]) == 0.0
-    assert torch.isinf(out.cross_entropy[1])
-    counted = task_ids >= 0
-    for task in range(2):
-        sel = counted & (task_ids == task)
-        assert int(out.per_task.count[task]) == int(sel.sum())
-        torch.testing.assert_close(out.per_task.tv_sum[task], out.tv[sel].double().sum(), rtol=1e-9, atol=1e-9)
-
-
-@pytest.mark.parametrize(("bad", "needle"), [("nan", "verifier_logits"), ("inf", "drafter_logits"),
-                                             ("all_neg_inf", "drafter_logits"), ("nan_behind_neg_inf", "drafter")])
-def test_many_chunks_flag_bad_rows(small_chunks, bad: str, needle: str) -> None:
-    small_chunks(interpret_block=32, interpret_chunk_tiles=1, block=32, chunk_tiles=1)
-    v, d = _logits(4, 200, 32), _logits(4, 200, 33)
-    if bad == "nan":
-        v[2, 150] = float("nan")  # one chunk's sums are NaN; the other chunks are fine
-    elif bad == "inf":
-        d[1, 70] = float("inf")
-    elif bad == "all_neg_inf":
-        d[3] = NEG_INF
-    else:  # a chunk whose only non -inf entry is NaN: its maximum may be -inf, its sum is NaN
-        d[0, 32:64] = NEG_INF
-        d[0, 40] = float("nan")
-    with pytest.raises(ValueError, match=needle):
-        sd.divergence(v, d, backend="triton")
-
-
-@pytest.mark.parametrize("split", [0, 1])
-def test_mask_and_few_row_groups_with_chunks(small_chunks, split: int) -> None:
-    small_chunks(interpret_block=32, interpret_chunk_tiles=2, block=32, chunk_tiles=2, split=split, programs=3)
+# ------------------------------------------------------------------------------- small tiles, few programs
+def test_mask_with_small_tiles_and_few_programs() -> None:
     n, vocab = 10, 250
     v, d = _logits(n, vocab, 34), _logits(n, vocab, 35)
     mask = torch.tensor([True, False, True, True, False, True, True, True, False, True], device=DEVICE)
-    out = sd.divergence(v, d, 1.1, mask=mask, backend="triton")
+    out = _output(kdiv.launch_divergence(v, d, 1.1, mask=mask, plan=_plan(v, block=32, programs=3)))
     ref = divergence_reference(v.double(), d.double(), 1.1, mask=mask)
     _check(out, ref, 2e-5, mask)
     for name in ("kl", "tv", "alpha"):
         assert bool((getattr(out, name)[~mask] == 0).all())
 
 
-@pytest.mark.parametrize("tiles", [1, 2])
-def test_many_chunks_loss_gradient_and_in_place(small_chunks, tiles: int) -> None:
-    small_chunks(interpret_block=32, interpret_chunk_tiles=tiles, block=32, chunk_tiles=tiles)
+@pytest.mark.parametrize("block", [32, 64])
+def test_loss_gradient_with_small_tiles_and_in_place(block: int) -> None:
     n, vocab, temperature = 9, 230, 1.3
     v, d0 = _logits(n, vocab, 36, dtype=torch.bfloat16), _logits(n, vocab, 37, dtype=torch.bfloat16)
     v[0, :100] = NEG_INF
@@ -300,8 +230,9 @@ def test_many_chunks_loss_gradient_and_in_place(small_chunks, tiles: int) -> Non
     weights = torch.rand(n, generator=torch.Generator().manual_seed(38)).to(DEVICE)
     mask = torch.ones(n, dtype=torch.bool, device=DEVICE)
     mask[5] = False
+    plan = _plan(v, loss=True, block=block, programs=4)
     d = d0.clone().requires_grad_()
-    loss = sd.divergence_loss(d, v, weights, temperature, "sum", "triton", mask=mask)
+    loss = kdiv.divergence_loss_triton(d, v, weights, mask, temperature, "sum", plan=plan)
     loss.backward()
     d64 = d0.double().requires_grad_()
     ref = sd.divergence_loss(d64, v.double(), weights.double(), temperature, "sum", "torch", mask=mask)
@@ -309,21 +240,50 @@ def test_many_chunks_loss_gradient_and_in_place(small_chunks, tiles: int) -> Non
     torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(d.grad.double(), d64.grad, rtol=0, atol=8e-3 * float(d64.grad.abs().max()))
     assert bool((d.grad[5] == 0).all())
-    # in place (as the fused-linear path runs it): the gradient overwrites the drafter logits chunk by chunk
+    # in place (as the fused-linear path runs it): the gradient overwrites the drafter logits row by row
     inplace = d0.clone()
     ce = kdiv.launch_divergence(v, inplace, temperature, compute_tv=False, grad_out=inplace,
-                                weights=weights.float(), grad_scale=1.0)[0]
+                                weights=weights.float(), grad_scale=1.0, plan=plan)[0]
     torch.testing.assert_close(ce.double(), divergence_reference(v.double(), d0.double(), temperature)[0],
                                rtol=2e-5, atol=2e-5)
     fresh = torch.empty_like(d0)
-    kdiv.launch_divergence(v, d0, temperature, compute_tv=False, grad_out=fresh, weights=weights.float())
+    kdiv.launch_divergence(v, d0, temperature, compute_tv=False, grad_out=fresh, weights=weights.float(), plan=plan)
     assert torch.equal(inplace, fresh)
+
+
+def test_divergence_plan_rule_and_fields() -> None:
+    from specdec.kernels._device import DeviceFacts
+
+    h100 = DeviceFacts(sm_count=132, major=9, name="NVIDIA H100 80GB HBM3", interpreter=False)
+    h200 = replace(h100, name="NVIDIA H200")
+    bf16 = torch.bfloat16
+    # the cluster kernels: Hopper, 16-bit logits, from V = 32000 (the smallest measured)
+    assert kdiv.divergence_plan(4096, 151936, bf16, h100, loss=False).cluster
+    assert kdiv.divergence_plan(4096, 32000, torch.float16, h100, loss=True).cluster
+    assert not kdiv.divergence_plan(4096, 31999, bf16, h100, loss=True).cluster
+    assert not kdiv.divergence_plan(4096, 151936, torch.float32, h100, loss=True).cluster
+    assert not kdiv.divergence_plan(4096, 151936, bf16, replace(h100, major=8), loss=True).cluster
+    assert not kdiv.divergence_plan(4096, 151936, bf16, replace(h100, interpreter=True), loss=True).cluster
+    # the row kernel's tile: 2048 columns / 4 warps (H100; H200 loss up to V = 65536); H200 small programs by rows
+    # per SM, pass 2 pipelined over 3 stages
+    def tile(n_rows, vocab, facts, loss=False):
+        plan = kdiv.divergence_plan(n_rows, vocab, torch.float32, facts, loss=loss)
+        return plan.block, plan.num_warps, plan.stages2
+    assert tile(16384, 151936, h100) == (2048, 4, 1) and tile(16384, 32000, h200, loss=True) == (2048, 4, 1)
+    assert tile(16 * 132, 151936, h200) == (512, 1, 3) and tile(4 * 132, 151936, h200) == (1024, 2, 3)
+    assert tile(100, 151936, h200) == (2048, 4, 3)
+    assert tile(100, 300, h100) == (512, 2, 1)  # no wider than the row
+    assert kdiv.divergence_plan(7, 300, torch.float32, h100, loss=False).programs == 7  # one program per row
+    plan = kdiv.divergence_plan(7, 300, torch.float32, h100, loss=False)
+    for field, value in (("block", 48), ("num_warps", 0), ("stages2", 0), ("programs", 0), ("cluster", 1)):
+        with pytest.raises(ValueError, match=field):
+            replace(plan, **{field: value})
 
 
 # ------------------------------------------------------------------------------------------------ GPU-only shapes
 @gpu_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_large_vocabulary_forward(pass1, dtype: torch.dtype) -> None:
+def test_large_vocabulary_forward(dtype: torch.dtype) -> None:
     n, vocab = 64, 151936
     v, d = _logits(n, vocab, 20, scale=2.0, dtype=dtype), _logits(n, vocab, 21, scale=2.0, dtype=dtype)
     _hard_rows(v, d)
@@ -337,52 +297,21 @@ def test_large_vocabulary_forward(pass1, dtype: torch.dtype) -> None:
 
 
 @gpu_only
-def test_large_vocabulary_persistent_grid_and_loss(pass1) -> None:
+def test_large_vocabulary_persistent_grid_and_loss() -> None:
     n, vocab = 300, 151936
     v, d0 = _logits(n, vocab, 22, dtype=torch.bfloat16), _logits(n, vocab, 23, dtype=torch.bfloat16)
-    # cluster=0: the row kernel's loss (on Hopper the cluster kernel would take it; tests/test_divergence_cluster.py)
-    previous = kdiv.set_config(programs_per_sm=1, cluster=0)
-    try:
-        out = sd.divergence(v, d0)
-        d = d0.clone().requires_grad_()
-        sd.divergence_loss(d, v, reduction="mean").backward()
-    finally:
-        kdiv.set_config(**previous)
+    # the row kernel with one program per SM (on Hopper the cluster kernels would take these calls; they have
+    # tests/test_divergence_cluster.py)
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    out = _output(kdiv.launch_divergence(v, d0, 1.0, plan=_plan(v, cluster=False, programs=sms)))
+    d = d0.clone().requires_grad_()
+    kdiv.divergence_loss_triton(d, v, None, None, 1.0, "mean",
+                                plan=_plan(v, loss=True, cluster=False, programs=sms)).backward()
     ref = divergence_reference(v.double(), d0.double(), 1.0)
     _check(out, ref, 1e-4)
     p = torch.softmax(v.double(), -1)
     q = torch.softmax(d0.double(), -1)
     torch.testing.assert_close(d.grad.double(), (q - p) / n, rtol=0, atol=1e-2 * float(((q - p) / n).abs().max()))
-
-
-@gpu_only
-@pytest.mark.parametrize("chunk_tiles", [1, 4, 8])
-def test_large_vocabulary_spin_matches_two_launches(chunk_tiles: int) -> None:
-    """The one-launch path (programs wait for the row's other chunks) against the two-launch path and float64."""
-    n, vocab = 2000, 151936
-    v, d0 = _logits(n, vocab, 24, dtype=torch.bfloat16), _logits(n, vocab, 25, dtype=torch.bfloat16)
-    _hard_rows(v, d0)
-    task_ids = torch.arange(n, device=DEVICE) % 5
-    results = {}
-    previous = kdiv.set_config(split=1, chunk_tiles=chunk_tiles)
-    try:
-        for spin in (1, 0):
-            kdiv.set_config(spin=spin)
-            for _ in range(2):  # the second call runs on the grid sized from the compiled kernel
-                out = sd.divergence(v, d0, 0.8, task_ids=task_ids, num_tasks=5)
-            d = d0.clone().requires_grad_()
-            sd.divergence_loss(d, v, temperature=0.8, reduction="mean").backward()
-            results[spin] = (out, d.grad)
-    finally:
-        kdiv.set_config(**previous)
-    ref = divergence_reference(v.double(), d0.double(), 0.8, task_ids=task_ids, num_tasks=5)
-    for spin in (1, 0):
-        _check(results[spin][0], ref, 1e-4)
-    a, b = results[1][0], results[0][0]
-    for name in ("cross_entropy", "kl", "tv", "alpha"):  # same arithmetic, two compilations: equal to rounding
-        torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(results[1][1].float(), results[0][1].float(), rtol=0, atol=1e-9)
-    torch.testing.assert_close(a.per_task.tv_sum, ref[4][2], rtol=1e-5, atol=1e-4)
 
 
 def test_strided_task_ids_mask_and_weights() -> None:
@@ -407,7 +336,7 @@ def test_strided_task_ids_mask_and_weights() -> None:
     torch.testing.assert_close(loss.double(), loss_ref, rtol=1e-5, atol=1e-5)
 
 
-def test_loss_refuses_bad_rows_on_the_triton_path(pass1) -> None:
+def test_loss_refuses_bad_rows_on_the_triton_path() -> None:
     v, d = _logits(6, 40, 44), _logits(6, 40, 45)
     v[2, 3] = float("nan")
     with pytest.raises(ValueError, match="verifier_logits"):
@@ -436,7 +365,7 @@ def test_fused_linear_refuses_bad_rows() -> None:
         assert torch.isfinite(sd.fused_linear_divergence_loss(bad_hidden, weight, v, mask=mask, backend=backend))
 
 
-def test_one_backward_per_graph_on_the_triton_path(pass1) -> None:
+def test_one_backward_per_graph_on_the_triton_path() -> None:
     """The stored gradient is scaled in place and handed out by the first backward; a second backward through the
     same graph must refuse (it would change the gradient already handed out), not return something wrong."""
     v, d0 = _logits(9, 300, 48), _logits(9, 300, 49)
@@ -459,7 +388,7 @@ def test_one_backward_per_graph_on_the_triton_path(pass1) -> None:
         fused.backward()
 
 
-def test_mean_over_an_all_false_mask_is_zero(pass1) -> None:
+def test_mean_over_an_all_false_mask_is_zero() -> None:
     v, d0 = _logits(5, 130, 50), _logits(5, 130, 51)
     d = d0.clone().requires_grad_()
     mask = torch.zeros(5, dtype=torch.bool, device=DEVICE)
@@ -469,7 +398,7 @@ def test_mean_over_an_all_false_mask_is_zero(pass1) -> None:
 
 
 @pytest.mark.parametrize("bad_column", [10, 640])
-def test_support_mismatch_with_an_underflowing_weight_is_inf(pass1, bad_column: int) -> None:
+def test_support_mismatch_with_an_underflowing_weight_is_inf(bad_column: int) -> None:
     """p > 0 where q = 0 at an entry whose weight 2^(x - max) underflows to 0 in float32 (x = 0 against a maximum of
     300 at column 650): cross-entropy and KL are +inf as in float64, never NaN. Under the interpreter's 256-column
     tiles column 10 is two tiles before the maximum (the running sums are rescaled by 0) and column 640 in its tile."""
@@ -485,7 +414,7 @@ def test_support_mismatch_with_an_underflowing_weight_is_inf(pass1, bad_column: 
     assert torch.isinf(loss) and loss > 0
 
 
-def test_unchecked_nan_logits_give_a_nan_loss(pass1) -> None:
+def test_unchecked_nan_logits_give_a_nan_loss() -> None:
     v, d = _logits(4, 300, 54), _logits(4, 300, 55)
     v[2, 7] = float("nan")
     assert torch.isnan(sd.divergence_loss(d, v, check_inputs=False, backend="triton"))

@@ -1,18 +1,19 @@
 """The rejection kernels compile for an H100 (sm_90) on this machine, without a GPU
-(``benchmarks/compile_rejection.py``).
+(``benchmarks/tools/compile_rejection.py``).
 
 The interpreter that runs the kernels in the CPU tests never calls Triton's compiler, so an error only the compiler
 raises (a jit helper called without a constexpr argument, a type mismatch between branches) would first show up on
-the GPU machine. Triton's front end and its NVIDIA back end (the bundled ``ptxas``) run on the CPU, so every launch
-plan's kernel variant is compiled here, in a subprocess without ``TRITON_INTERPRET``.
+the GPU machine. Triton's front end and its NVIDIA back end (the bundled ``ptxas``) run on the CPU, so the kernel
+variants of the shipped launch plans are compiled here, in a subprocess without ``TRITON_INTERPRET``.
 """
 
 import os
+import re
 import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmarks", "compile_rejection.py")
+SCRIPT = os.path.join(ROOT, "benchmarks", "tools", "compile_rejection.py")
 
 
 def test_rejection_kernels_compile_for_sm90() -> None:
@@ -20,7 +21,10 @@ def test_rejection_kernels_compile_for_sm90() -> None:
     done = subprocess.run([sys.executable, SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
-    compiled, total = lines[-1].rsplit(" ", 2)[-2].split("/")  # "# triton X, sm_90: compiled/total compiled"
-    assert int(total) > 0 and compiled == total, done.stdout
-    assert sum(line.startswith("ok ") for line in lines) == int(total), done.stdout
+    summary = re.fullmatch(r"# triton \S+, sm_90: (\d+)/(\d+) compiled \((\d+) distinct variants on the grid\)",
+                           lines[-1])
+    assert summary, done.stdout
+    compiled, total, distinct = (int(x) for x in summary.groups())
+    assert 0 < total <= distinct and compiled == total, done.stdout
+    assert sum(line.startswith("ok ") for line in lines) == total, done.stdout
     assert not any(line.startswith("FAILED") for line in lines)

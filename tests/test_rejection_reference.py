@@ -48,17 +48,22 @@ def _assert_positions_follow_p(tokens: torch.Tensor, target: torch.Tensor, tempe
         assert_follows(counts, p[j], what=f"{what} position {j}")
 
 
-@pytest.mark.parametrize("race_tile", [None, 2])
+@pytest.mark.parametrize("support", [None, [5, 250, 300, 700, 999]], ids=["dense", "four_race_tiles"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_emitted_tokens_follow_p_and_accept_counts_match_closed_form(temperature, race_tile, monkeypatch):
-    # race_tile 2 (patched): 3 tiles of the two-level race at V = 6, so level 1 decides every recovered/bonus token
-    if race_tile is not None:
-        from specdec.kernels import rejection_sampling_reference as reference
-
-        monkeypatch.setattr(reference, "RACE_TILE", race_tile)
-    vocab, num_drafts = 6, 3
-    target, draft = _random_case(vocab, num_drafts, seed=1)
-    drafts = _sample_drafts(draft, ROWS, temperature, seed=2)
+def test_emitted_tokens_follow_p_and_accept_counts_match_closed_form(temperature, support):
+    # "four_race_tiles": p and q live on 5 ids of V = 1000, in 4 race tiles of 256 ids (two in tile 0, one in the
+    # ragged last tile), so level 1 of the race decides every recovered and bonus token
+    num_drafts = 3
+    if support is None:
+        vocab, rows = 6, ROWS
+        target, draft = _random_case(vocab, num_drafts, seed=1)
+    else:
+        vocab, rows = 1000, ROWS // 4
+        dense_target, dense_draft = _random_case(len(support), num_drafts, seed=1)
+        target = torch.full((num_drafts + 1, vocab), float("-inf"))
+        draft = torch.full((num_drafts, vocab), float("-inf"))
+        target[:, support], draft[:, support] = dense_target, dense_draft
+    drafts = _sample_drafts(draft, rows, temperature, seed=2)
     out = _run(target, draft, drafts, temperature)
     tokens, accepted = out.tokens, out.num_accepted
     # Structure: accepted drafts, then exactly one new token, then -1.
@@ -222,23 +227,22 @@ def test_race_never_picks_a_zero_weight_id():
     assert bool((winners == 7).all())
 
 
-@pytest.mark.parametrize("race_tile", [8, None])
-def test_two_level_race_follows_the_weights_across_tiles(race_tile, monkeypatch):
+@pytest.mark.parametrize("tiles", [3.5, 10.3])
+def test_two_level_race_follows_the_weights_across_tiles(tiles):
     # Level 1 picks a tile by its mass, level 2 an id inside it: P(x) = w(x) / sum w. Weights with zeros, a ragged
-    # last tile and masses spread over every tile; 8-id tiles (patched) and the real RACE_TILE.
+    # last tile and masses spread over every tile of RACE_TILE ids.
     from specdec.kernels import rejection_sampling_reference as reference
 
-    if race_tile is not None:
-        monkeypatch.setattr(reference, "RACE_TILE", race_tile)
-    tile = reference.RACE_TILE
-    vocab, rows = 3 * tile + tile // 2, 60000 if race_tile else 20000
+    vocab = int(tiles * reference.RACE_TILE)
+    rows = 20000 if tiles < 5 else 10000
     generator = torch.Generator().manual_seed(21)
-    size = min(40, vocab // 2)
-    support = torch.randperm(vocab, generator=generator)[:size]  # ids spread over all 4 tiles
+    size = 40
+    support = torch.randperm(vocab, generator=generator)[:size]  # ids spread over every tile
+    assert len(set((support // reference.RACE_TILE).tolist())) == -(-vocab // reference.RACE_TILE)
     weights = torch.zeros(vocab)
     weights[support] = torch.rand(size, generator=generator) + 0.05
     probs = weights / weights.sum()
     seeds = torch.arange(rows, dtype=torch.int64) * 7919 + 3
     winners = reference.tiled_exponential_race(weights.expand(rows, -1), torch.log(weights).expand(rows, -1), seeds,
                                                torch.full((rows,), 5, dtype=torch.int64))
-    assert_follows(torch.bincount(winners, minlength=vocab), probs, what=f"tile {tile}")
+    assert_follows(torch.bincount(winners, minlength=vocab), probs, what=f"{tiles} tiles")

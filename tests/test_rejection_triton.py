@@ -1,15 +1,16 @@
 """The fused Triton rejection sampler reproduces the torch reference exactly and is lossless.
 
 On a machine without CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by ``conftest.py``
-and again here before anything imports Triton), on small shapes. With a GPU the full matrix of issue 3 runs too:
-B in {1, 7, 64}, K in {1, 4, 8}, V in {100, 8193, 32000, 151936}, fp32 and bf16, both launch strategies.
+and again here before anything imports Triton), on small shapes. With a GPU the full matrix runs too: B in
+{1, 7, 64}, K in {1, 4, 8}, V in {100, 8193, 32000, 151936}, fp32 and bf16, and every launch plan.
 
 Exactness: tokens and accepted counts must be *equal* to the reference on the same (seeds, offsets) stream. The two
 compute normalisers in a different order, so a decision could flip only on a near-tie (|margin| ~ 1e-6); with the
-fixed seeds below none occurs.
+fixed seeds below none occurs. Launch plans are forced through the launcher's ``plan=`` argument.
 """
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -21,7 +22,16 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import specdec  # noqa: E402
-from specdec.kernels.rejection_sampling import _rejected_before, _to_f32, rejection_sample_triton  # noqa: E402
+from specdec.kernels._device import DeviceFacts  # noqa: E402
+from specdec.kernels.rejection_sampling import rejection_sample_triton  # noqa: E402
+from specdec.kernels.rejection_sampling_kernels import _rejected_before, _to_f32  # noqa: E402
+from specdec.kernels.rejection_sampling_plan import (  # noqa: E402
+    FP32_SMALL_VOCAB,
+    LaunchPlan,
+    grid_splits,
+    plan_launch,
+    statistics_launches,
+)
 from specdec.kernels.rejection_sampling_reference import rejection_sample_reference  # noqa: E402
 from specdec.metrics import acceptance_from_logits, accepted_count_distribution  # noqa: E402
 
@@ -31,7 +41,8 @@ CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 gpu_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (too slow in Triton's interpreter)")
 _INTERPRET_ON = os.environ.get("TRITON_INTERPRET") == "1"
-STRATEGIES = ("split", "seq")
+H100 = DeviceFacts(sm_count=132, major=9, name="NVIDIA H100 80GB HBM3", interpreter=False)
+INTERPRETER = DeviceFacts(sm_count=4, major=0, name="", interpreter=True)
 
 
 def make_case(batch, num_drafts, vocab, dtype=torch.float32, seed=0, scale=2.0, noise=0.7, temperature=1.0):
@@ -47,23 +58,26 @@ def make_case(batch, num_drafts, vocab, dtype=torch.float32, seed=0, scale=2.0, 
     return target, draft, drafts, seeds, offsets
 
 
-def assert_matches_reference(target, draft, drafts, seeds, offsets, temperature, strategies=STRATEGIES, **kwargs):
-    """Every strategy gives the reference's tokens and counts exactly; scores (split) agree to fp32 rounding."""
+def plan_for(target, **changes) -> LaunchPlan:
+    """The automatic plan of ``target``'s shape and dtype on this device (sampled rows, no scores), with
+    ``changes``; the launcher turns off what a call cannot use."""
+    batch, positions, vocab = target.shape
+    return replace(plan_launch(batch, positions - 1, vocab, target.dtype, DEVICE), **changes)
+
+
+def assert_matches_reference(target, draft, drafts, seeds, offsets, temperature, plan=None, **kwargs):
+    """The Triton sampler gives the reference's tokens and counts exactly; scores agree to fp32 rounding."""
     scores = kwargs.pop("compute_scores", False)
-    tuning = {key: kwargs.pop(key) for key in ("block_v", "num_splits", "tune") if key in kwargs}
     ref = rejection_sample_reference(target, draft, drafts, seeds, offsets, temperature, compute_scores=scores,
                                      **kwargs)
-    for strategy in strategies:
-        if scores and strategy == "seq":
-            continue
-        out = rejection_sample_triton(target, draft, drafts, seeds, offsets, temperature, compute_scores=scores,
-                                      strategy=strategy, **kwargs, **tuning)
-        bad = (out[0] != ref[0]).any(dim=1).nonzero().flatten().tolist()
-        assert not bad, f"{strategy}: rows {bad[:8]} differ: {out[0][bad[:2]].tolist()} vs {ref[0][bad[:2]].tolist()}"
-        assert torch.equal(out[1], ref[1]), strategy
-        if scores:
-            torch.testing.assert_close(out[2], ref[2], rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(out[3], ref[3], rtol=1e-4, atol=1e-5)
+    out = rejection_sample_triton(target, draft, drafts, seeds, offsets, temperature, compute_scores=scores,
+                                  plan=plan, **kwargs)
+    bad = (out[0] != ref[0]).any(dim=1).nonzero().flatten().tolist()
+    assert not bad, f"rows {bad[:8]} differ: {out[0][bad[:2]].tolist()} vs {ref[0][bad[:2]].tolist()}"
+    assert torch.equal(out[1], ref[1])
+    if scores:
+        torch.testing.assert_close(out[2], ref[2], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out[3], ref[3], rtol=1e-4, atol=1e-5)
     return ref
 
 
@@ -99,52 +113,52 @@ def test_exact_fp16_logits_gpu(batch, vocab):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_low_temperatures_are_exact_with_and_without_the_folded_exponent_gpu(temperature, dtype):
     # logits / T up to ~1e6: the statistics stay equal to the reference's only while each lane's maximum contributes
-    # exactly 1 (a fused t (s log2 e) - m s log2 e exponent moved decisions at T = 1e-5)
+    # exactly 1 (a fused t (s log2 e) - m s log2 e exponent moves decisions at T = 1e-5)
     for batch, num_drafts, vocab in ((8, 8, 32000), (1, 4, 151936), (4, 8, 128256)):
         case = make_case(batch, num_drafts, vocab, dtype, seed=batch + vocab, temperature=temperature)
         for fold in (True, False):
-            assert_matches_reference(*case, temperature, strategies=("split",), tune=dict(fold_scale=fold))
+            assert_matches_reference(*case, temperature, plan=plan_for(case[0], fold_scale=fold))
 
 
 def test_exact_multi_tile_and_multi_split_with_ragged_last_tile():
-    # V = 100 with 32-wide tiles: 4 tiles, the last one 4 lanes wide; 2 vocabulary chunks per row.
+    # V = 100 with 32-wide tiles: 4 tiles, the last one 4 lanes wide; 2 and 4 vocabulary chunks per row.
     case = make_case(7, 4, 100, torch.bfloat16, seed=3)
-    assert_matches_reference(*case, 0.8, block_v=32, num_splits=2)
-    assert_matches_reference(*case, 0.8, block_v=32, num_splits=4, compute_scores=True)
+    assert_matches_reference(*case, 0.8, plan=plan_for(case[0], stats_block=32, stats_splits=2))
+    assert_matches_reference(*case, 0.8, plan=plan_for(case[0], stats_block=32, stats_splits=4), compute_scores=True)
 
 
-# Launch plans of "split": none of them may change a token or an accepted count.
+# Launch plans: none of them may change a token or an accepted count.
 LAUNCH_PLANS = {
     "default": {},
-    "no_fuse": dict(fuse=False),
-    "race_tiles_2": dict(race_tiles=2),
-    "prefetch": dict(stats_prefetch=True),  # its first tile is loaded before the row's draft ids are known
-    "one_warp_race": dict(race_tiles=1, race_warps=1, race_programs=16),  # the fp32 plan for B >= 32 on the GPU
-    "l2_keep": dict(l2_keep=2, stats_prefetch=True),  # both eviction branches of the prefetched statistics loop
-    "l2_keep_no_prefetch": dict(l2_keep=2, stats_prefetch=False),
+    "race_tiles_2": dict(race_tiles=2, race_warps=2),
+    "prefetch": dict(prefetch=True),  # its first tile is loaded before the row's draft ids are known
+    "one_warp_race": dict(race_tiles=1, race_warps=1),  # the fp32 plan for B >= 32 on the GPU
+    "l2_keep": dict(l2_keep=True, prefetch=True),  # both eviction branches of the prefetched statistics loop
+    "l2_keep_no_prefetch": dict(l2_keep=True, prefetch=False),
+    "one_launch": dict(stages=()),
 }
 
 
-@pytest.mark.parametrize("plan", list(LAUNCH_PLANS))
-def test_launch_plans_are_exact_with_scores_greedy_rows_and_ragged_drafts(plan):
-    # V = 2600: 11 race tiles of 256 ids in 3 blocks of 1024 (the last ragged), 2-3 race programs per row that
-    # arrive at the fused finalize, 2-4 stats chunks of 256-wide tiles; greedy rows, -1 drafts and per-row counts
-    # share the batch.
+@pytest.mark.parametrize("name", list(LAUNCH_PLANS))
+def test_launch_plans_are_exact_with_scores_greedy_rows_and_ragged_drafts(name):
+    # V = 2600: 11 race tiles of 256 ids in blocks of 256-1024 (the last one ragged), 2-4 race programs per row that
+    # arrive at the fused finalize, 2-4 statistics chunks of 256-wide tiles; greedy rows, -1 drafts and per-row
+    # counts share the batch.
     target, draft, drafts, seeds, offsets = make_case(7, 4, 2600, torch.bfloat16, seed=17)
     drafts[2, 2:] = -1
     counts = torch.tensor([4, 3, 4, 0, 2, 4, 1], device=DEVICE)
     greedy_mask = torch.arange(7, device=DEVICE) % 3 == 1
-    tune = LAUNCH_PLANS[plan]
     for splits in (2, 4):
-        assert_matches_reference(target, draft, drafts, seeds, offsets, 0.8, strategies=("split",), block_v=256,
-                                 num_splits=splits, tune=tune, greedy_mask=greedy_mask, num_draft_tokens=counts,
-                                 compute_scores=True)
-    assert_matches_reference(target, draft, drafts, seeds, offsets, 0.0, strategies=("split",), tune=tune)
+        plan = plan_for(target, stats_block=256, stats_splits=splits, race_splits=splits, **LAUNCH_PLANS[name])
+        assert_matches_reference(target, draft, drafts, seeds, offsets, 0.8, plan=plan, greedy_mask=greedy_mask,
+                                 num_draft_tokens=counts, compute_scores=True)
+    assert_matches_reference(target, draft, drafts, seeds, offsets, 0.0, plan=plan_for(target, **LAUNCH_PLANS[name]))
 
 
 class _StatsLaunchSpy:
-    """Stands in for ``_stats_kernel``: counts the positions the launches cover (grid ``(B * positions, S)``) and
-    keeps the last launch's grid and statistics partials, then launches the real kernel."""
+    """Stands in for the statistics kernel in the launcher: counts the positions the launches cover (grid
+    ``(B * positions, S)``) and keeps the last launch's grid and statistics partials, then launches the real
+    kernel."""
 
     def __init__(self, kernel, batch: int = 1):
         self.kernel, self.batch, self.positions, self.grid, self.stats = kernel, batch, 0, None, None
@@ -167,117 +181,147 @@ class _StatsLaunchSpy:
 @pytest.mark.parametrize("skip_bonus", [True, False])
 @pytest.mark.parametrize("num_drafts", [1, 4])
 def test_skipping_the_bonus_statistics_is_exact_and_launches_k_positions(num_drafts, skip_bonus, monkeypatch):
-    # skip_bonus (the default): without greedy rows the bonus position gets no statistics programs; its race (and
-    # the bonus token) must not depend on them. Rows accept every draft (bonus) or stop earlier; ragged counts,
-    # with and without scores (scores force one statistics launch; without them the interpreter's staged plan
-    # (positions 0-1, 2-3, 4-K) is clipped to the positions launched), 1-4 splits.
-    import specdec.kernels.rejection_sampling as kernel
+    # skip_bonus: without greedy rows the bonus position gets no statistics programs; its race (and the bonus token)
+    # must not depend on them. Rows accept every draft (bonus) or stop earlier; ragged counts, with and without scores
+    # (scores force one statistics launch; without them the interpreter's staged plan (positions 0-1, 2-3, 4-K) is
+    # clipped to the positions launched), 1-4 splits.
+    import specdec.kernels.rejection_sampling as launcher
 
     batch = 6
-    spy = _StatsLaunchSpy(kernel._stats_kernel, batch)
-    monkeypatch.setattr(kernel, "_stats_kernel", spy)
+    spy = _StatsLaunchSpy(launcher._stats_kernel, batch)
+    monkeypatch.setattr(launcher, "_stats_kernel", spy)
     target, draft, drafts, seeds, offsets = make_case(batch, num_drafts, 700, torch.float32, seed=45 + num_drafts,
                                                       noise=0.2)
     counts = torch.tensor([num_drafts, 0, 1, num_drafts, num_drafts, 1], device=DEVICE)
     for splits, scores in ((1, True), (4, True), (2, False)):
-        ref = assert_matches_reference(target, draft, drafts, seeds, offsets, 1.0, strategies=("split",),
-                                       block_v=64, num_splits=splits, tune=dict(skip_bonus=skip_bonus),
+        plan = plan_for(target, stats_block=64, stats_splits=splits, race_splits=min(splits, 2),
+                        skip_bonus=skip_bonus)
+        ref = assert_matches_reference(target, draft, drafts, seeds, offsets, 1.0, plan=plan,
                                        num_draft_tokens=counts, compute_scores=scores)
         assert bool((ref[1] == counts).any())  # some rows reach the bonus position
         assert spy.take() == (num_drafts if skip_bonus else num_drafts + 1)
     # greedy rows need the bonus arg-max: no skipping with a greedy mask or at T = 0. Drafts equal to the target's
     # arg-max make every greedy row accept all its drafts and take the bonus token.
     greedy_drafts = target[:, :num_drafts].float().argmax(dim=-1)
+    plan = plan_for(target, stats_block=64, stats_splits=2, race_splits=2, skip_bonus=skip_bonus)
     for temperature, mask in ((0.0, None), (0.8, torch.arange(batch, device=DEVICE) % 2 == 0)):
         ref = rejection_sample_reference(target, draft, greedy_drafts, seeds, offsets, temperature, greedy_mask=mask)
         out = rejection_sample_triton(target, draft, greedy_drafts, seeds, offsets, temperature, greedy_mask=mask,
-                                      num_splits=2, block_v=64, tune=dict(skip_bonus=skip_bonus))
+                                      plan=plan)
         assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
         greedy_rows = torch.ones(batch, dtype=torch.bool, device=DEVICE) if mask is None else mask
         assert bool((out[1][greedy_rows] == num_drafts).all())  # they all reached the bonus position
         assert spy.take() == num_drafts + 1
 
 
-def test_skip_bonus_rule():
-    from specdec.kernels.rejection_sampling import FP32_SMALL_VOCAB, _skip_bonus
+# ---------------------------------------------------------------------------------------------------------------
+# The automatic plan's rules (asked for an H100, and for the interpreter)
 
-    assert _skip_bonus(None, 2, 151936, 8, False, 1) and _skip_bonus(None, 2, 32000, 1, False, 128)
-    assert _skip_bonus(None, 4, FP32_SMALL_VOCAB, 4, False, 1) and _skip_bonus(None, 4, 151936, 8, False, 1)
+
+def _gpu_plan(batch, num_drafts, vocab, dtype=torch.float32, **kwargs) -> LaunchPlan:
+    return plan_launch(batch, num_drafts, vocab, dtype, H100, **kwargs)
+
+
+def test_skip_bonus_rule():
+    assert _gpu_plan(1, 8, 151936, torch.bfloat16).skip_bonus and _gpu_plan(128, 1, 32000, torch.bfloat16).skip_bonus
+    assert _gpu_plan(1, 4, FP32_SMALL_VOCAB).skip_bonus and _gpu_plan(1, 8, 151936).skip_bonus
     # fp32 small-vocabulary plan with K >= 8: no skip at B = 1 or B >= 16, skip at 2 <= B <= 8
-    assert not _skip_bonus(None, 4, FP32_SMALL_VOCAB, 8, False, 1) and not _skip_bonus(None, 4, 32000, 8, False, 16)
-    assert _skip_bonus(None, 4, 32000, 8, False, 2) and _skip_bonus(None, 4, 32000, 12, False, 8)
-    assert _skip_bonus(None, 4, 32000, 7, False, 1) and _skip_bonus(None, 4, 32000, 7, False, 64)
-    assert not _skip_bonus(True, 2, 32000, 4, True, 8)  # greedy rows need the bonus arg-max
-    assert not _skip_bonus(True, 2, 32000, 0, False, 8) and not _skip_bonus(False, 2, 32000, 4, False, 8)
+    assert not _gpu_plan(1, 8, FP32_SMALL_VOCAB).skip_bonus and not _gpu_plan(16, 8, 32000).skip_bonus
+    assert _gpu_plan(2, 8, 32000).skip_bonus and _gpu_plan(8, 12, 32000).skip_bonus
+    assert _gpu_plan(1, 7, 32000).skip_bonus and _gpu_plan(64, 7, 32000).skip_bonus
+    assert not _gpu_plan(8, 4, 32000, torch.bfloat16, greedy_rows=True).skip_bonus  # greedy rows need the arg-max
+    forced = replace(_gpu_plan(8, 4, 32000), skip_bonus=True)
+    assert not forced.restricted(batch=8, num_drafts=4, greedy_rows=True, scores=False).skip_bonus
+    assert forced.restricted(batch=8, num_drafts=4, greedy_rows=False, scores=True).skip_bonus
 
 
 def test_race_plan_rule_picks_the_one_warp_race_for_fp32_batches_of_32_or_more():
-    from specdec.kernels.rejection_sampling import FP32_ONE_WARP_RACE_BATCH, TUNE_DEFAULT, _race_plan
+    def race(batch, vocab=151936, dtype=torch.float32, facts=H100):
+        """(race tiles, race warps, race splits) of the plan and the splits of ``n`` race programs per SM."""
+        plan = plan_launch(batch, 4, vocab, dtype, facts)
 
-    cfg = dict(TUNE_DEFAULT)
-    big = FP32_ONE_WARP_RACE_BATCH
-    assert _race_plan(4, big, cfg, None, interpret=False) == (1, 1, 16)
-    assert _race_plan(4, 128, cfg, None, interpret=False) == (1, 1, 16)
-    assert _race_plan(4, big - 1, cfg, None, interpret=False) == (4, 4, 4)  # below the batch threshold
-    assert _race_plan(2, big, cfg, None, interpret=False) == (4, 4, 4)  # bf16 / fp16 keep one warp per tile
-    assert _race_plan(4, 2, cfg, None, interpret=False) == (2, 2, 4)
-    assert _race_plan(4, big, cfg, None, interpret=True) == (4, 4, 4)  # the interpreter keeps the default plan
-    # explicit settings win over the rule
-    assert _race_plan(4, big, dict(cfg, race_tiles=2), None, interpret=False) == (2, 2, 4)
-    assert _race_plan(4, big, dict(cfg, race_warps=2), None, interpret=False) == (4, 2, 4)
-    assert _race_plan(4, big, cfg, 8, interpret=False) == (4, 8, 4)
-    assert _race_plan(4, big, dict(cfg, race_programs=8), None, interpret=False) == (1, 1, 8)
+        def per_sm(n):
+            return grid_splits(vocab, plan.race_tiles * 256, batch, n * facts.sm_count)
+        return plan.race_tiles, plan.race_warps, plan.race_splits, per_sm
+
+    for batch in (32, 128):
+        tiles, warps, splits, per_sm = race(batch)
+        assert (tiles, warps, splits) == (1, 1, per_sm(16))
+    tiles, warps, splits, per_sm = race(31)  # below the batch threshold
+    assert (tiles, warps, splits) == (4, 4, per_sm(4))
+    tiles, warps, splits, per_sm = race(32, dtype=torch.bfloat16)  # 16-bit logits keep one warp per tile
+    assert (tiles, warps, splits) == (4, 4, per_sm(4))
+    assert race(2)[:2] == (2, 2)  # B <= 2: smaller race blocks
+    assert race(32, facts=INTERPRETER)[:2] == (4, 4)  # the interpreter keeps the general plan
     # small fp32 vocabularies below B = 128: two tiles per one-warp program, 8 programs per SM
-    assert _race_plan(4, big, cfg, None, interpret=False, vocab=32000) == (2, 1, 8)
-    assert _race_plan(4, 128, cfg, None, interpret=False, vocab=32000) == (1, 1, 16)
-    assert _race_plan(2, big, cfg, None, interpret=False, vocab=32000) == (4, 4, 4)
-    with pytest.raises(ValueError, match="race_programs"):
-        _race_plan(4, big, dict(cfg, race_programs=0), None, interpret=False)
+    tiles, warps, splits, per_sm = race(32, vocab=32000)
+    assert (tiles, warps, splits) == (2, 1, per_sm(8))
+    tiles, warps, splits, per_sm = race(128, vocab=32000)
+    assert (tiles, warps, splits) == (1, 1, per_sm(16))
+    assert race(32, vocab=32000, dtype=torch.bfloat16)[:2] == (4, 4)
 
 
 def test_race_plan_rule_gives_16_bit_logits_one_race_program_per_sm_at_batches_8_to_16_with_small_vocabularies():
-    from specdec.kernels.rejection_sampling import BF16_FEW_RACE_BATCH, TUNE_DEFAULT, _race_plan
-
-    cfg = dict(TUNE_DEFAULT)
-    low, high = BF16_FEW_RACE_BATCH
-    for batch in (low, high):
-        assert _race_plan(2, batch, cfg, None, interpret=False, vocab=32000) == (4, 4, 1)
-        assert _race_plan(2, batch, cfg, None, interpret=False, vocab=65536) == (4, 4, 1)
-        assert _race_plan(2, batch, cfg, None, interpret=False, vocab=151936)[2] == 4  # large vocabulary
-        assert _race_plan(4, batch, cfg, None, interpret=False, vocab=32000)[2] == 4  # fp32
-    assert _race_plan(2, low - 1, cfg, None, interpret=False, vocab=32000)[2] == 4
-    assert _race_plan(2, high + 1, cfg, None, interpret=False, vocab=32000)[2] == 4
-    assert _race_plan(2, low, cfg, None, interpret=False, vocab=65537)[2] == 4
-    assert _race_plan(2, low, dict(cfg, race_programs=4), None, interpret=False, vocab=32000)[2] == 4  # explicit
+    for batch in (8, 16):  # one race program per SM
+        assert _gpu_plan(batch, 4, 32000, torch.bfloat16).race_splits == grid_splits(32000, 1024, batch, 132)
+        assert _gpu_plan(batch, 4, 65536, torch.bfloat16).race_splits == grid_splits(65536, 1024, batch, 132)
+        # large vocabularies and fp32 keep 4 programs per SM
+        assert _gpu_plan(batch, 4, 151936, torch.bfloat16).race_splits == grid_splits(151936, 1024, batch, 4 * 132)
+        assert _gpu_plan(batch, 4, 32000).race_splits == grid_splits(32000, 1024, batch, 4 * 132)
+    assert _gpu_plan(7, 4, 32000, torch.bfloat16).race_splits == grid_splits(32000, 1024, 7, 4 * 132)
+    assert _gpu_plan(17, 4, 32000, torch.bfloat16).race_splits == grid_splits(32000, 1024, 17, 4 * 132)
+    assert _gpu_plan(8, 4, 65537, torch.bfloat16).race_splits == grid_splits(65537, 1024, 8, 4 * 132)
 
 
 def test_l2_keep_rule_keeps_position_0_for_fp32_batches_of_32_or_more_with_small_vocabularies():
-    from specdec.kernels.rejection_sampling import _l2_keep
-
-    assert _l2_keep(None, 4, 32000, 4, 32) == 1
-    assert _l2_keep(None, 4, 32000, 8, 128) == 1  # kept rows 2 * 128 * 32000 * 4 bytes <= 32 MiB
-    assert _l2_keep(None, 4, 65536, 8, 128) == 0  # 67 MB kept: more than the rule allows
-    assert _l2_keep(None, 4, 65536, 4, 64) == 1  # exactly 32 MiB kept
-    assert _l2_keep(None, 4, 65537, 4, 32) == 0
-    assert _l2_keep(None, 4, 32000, 1, 128) == 0  # K < 4
-    assert _l2_keep(None, 4, 32000, 4, 16) == 0  # B < 32
-    assert _l2_keep(None, 2, 32000, 4, 128) == 0  # bf16
-    assert _l2_keep(None, 4, 128256, 4, 32) == 0  # large vocabulary
-    assert _l2_keep(3, 2, 151936, 1, 1) == 3  # explicit settings win
-    with pytest.raises(ValueError, match="l2_keep"):
-        _l2_keep(-1, 4, 32000, 4, 32)
+    assert _gpu_plan(32, 4, 32000).l2_keep
+    assert _gpu_plan(128, 8, 32000).l2_keep  # kept rows 2 * 128 * 32000 * 4 bytes <= 32 MiB
+    assert not _gpu_plan(128, 8, 65536).l2_keep  # 67 MB kept: more than the rule allows
+    assert _gpu_plan(64, 4, 65536).l2_keep  # exactly 32 MiB kept
+    assert not _gpu_plan(32, 4, 65537).l2_keep
+    assert not _gpu_plan(128, 1, 32000).l2_keep  # K < 4
+    assert not _gpu_plan(16, 4, 32000).l2_keep  # B < 32
+    assert not _gpu_plan(128, 4, 32000, torch.bfloat16).l2_keep  # bf16
+    assert not _gpu_plan(32, 4, 128256).l2_keep  # large vocabulary
 
 
-def test_fold_scale_rule_folds_the_scale_for_16_bit_logits_at_batches_up_to_4(monkeypatch):
-    import specdec.kernels.rejection_sampling as kernel
+def test_fast_math_fold_and_unpack_rules():
+    assert _gpu_plan(1, 4, 32000, torch.bfloat16).fold_scale and _gpu_plan(4, 4, 32000, torch.float16).fold_scale
+    assert not _gpu_plan(5, 4, 32000, torch.bfloat16).fold_scale  # B > 4
+    assert not _gpu_plan(1, 4, 32000).fold_scale  # fp32
+    assert _gpu_plan(8, 4, 32000, torch.bfloat16).unpack_bf16 and _gpu_plan(8, 4, 151936, torch.bfloat16).unpack_bf16
+    assert not _gpu_plan(8, 4, 32001, torch.bfloat16).unpack_bf16  # rows not provably 16-byte aligned
+    assert _gpu_plan(8, 4, 32000).fast_math and _gpu_plan(8, 4, 32000).pdl and not _gpu_plan(9, 4, 32000).pdl
+    assert not plan_launch(8, 4, 32000, torch.float32, replace(H100, major=8)).pdl  # PDL needs sm_90
+    interpreted = plan_launch(1, 4, 32000, torch.bfloat16, INTERPRETER)  # no inline PTX in the interpreter
+    assert not (interpreted.fast_math or interpreted.fold_scale or interpreted.unpack_bf16 or interpreted.pdl)
+    assert interpreted.stats_block == 1024 and interpreted.stages == (2, 4)
 
-    monkeypatch.setattr(kernel, "_INTERPRET", True)
-    assert not kernel._fold_scale(None, 2, 1) and not kernel._fold_scale(True, 2, 1)  # never in the interpreter
-    monkeypatch.setattr(kernel, "_INTERPRET", False)
-    assert kernel._fold_scale(None, 2, 1) and kernel._fold_scale(None, 2, 4)
-    assert not kernel._fold_scale(None, 2, 5)  # B > 4
-    assert not kernel._fold_scale(None, 4, 1)  # fp32
-    assert kernel._fold_scale(True, 4, 128) and not kernel._fold_scale(False, 2, 1)  # explicit settings win
+
+def test_stats_splits_rule_halves_the_statistics_grid_for_small_fp32_batches_with_five_or_more_drafts():
+    def per_sm(batch, num_drafts, vocab, dtype=torch.float32):
+        plan = _gpu_plan(batch, num_drafts, vocab, dtype)
+        rows = batch * (num_drafts + 1)
+        return next(n for n in (1, 2, 4, 8, 16, 32) if grid_splits(vocab, plan.stats_block, rows, n * 132)
+                    == plan.stats_splits)
+
+    assert per_sm(8, 8, 32000) == 2 and per_sm(1, 12, FP32_SMALL_VOCAB) == 2 and per_sm(4, 5, 32000) == 2
+    assert per_sm(16, 8, 32000) == 4  # (32, 8, 32000) lost with 2
+    assert per_sm(8, 4, 32000) == 4 and per_sm(8, 8, 151936) == 4
+    assert per_sm(8, 8, 32000, torch.bfloat16) == 4  # bf16 lost with 2
+
+
+def test_launch_plan_fields_are_checked():
+    plan = plan_launch(1, 1, 100, torch.float32, INTERPRETER)
+    for field, value in (("race_tiles", 3), ("stats_block", 4), ("stats_block", 48), ("stats_warps", 0),
+                         ("stats_splits", 0), ("race_splits", 257), ("stages", (0, 2)), ("stages", 3),
+                         ("prefetch", "no"), ("fast_math", 0), ("pdl", None)):
+        with pytest.raises(ValueError, match=field):
+            replace(plan, **{field: value})
+    with pytest.raises(ValueError, match="fold_scale"):
+        replace(plan, fast_math=False, fold_scale=True)
+    case = make_case(3, 2, 5, seed=5)
+    assert_matches_reference(*case, 1.0, plan=replace(plan, stats_block=8))  # V below one 8-id tile
 
 
 @triton.jit
@@ -291,28 +335,12 @@ def _convert_kernel(src_ptr, dst_ptr, BLOCK: tl.constexpr, UNPACK: tl.constexpr)
 @pytest.mark.parametrize("unpack", [True, False])
 def test_bf16_statistics_conversion_keeps_every_bit_pattern_gpu(unpack):
     """The statistics tiles' bf16 -> fp32 conversion (the inline-asm unpack of two ids a register, and the plain
-    one) gives torch's fp32 bit pattern for all 65536 bf16 patterns, in order (a swapped pair would fail). GPU only:
-    the interpreter has no inline assembly, and its own conversion flushes bf16 subnormals."""
+    one) gives torch's fp32 bit pattern for all 65536 bf16 patterns, in order (a swapped pair would fail)."""
     patterns = torch.arange(-(2**15), 2**15, dtype=torch.int32, device=DEVICE).to(torch.int16)
     src = patterns.view(torch.bfloat16)
     dst = torch.empty(src.shape, dtype=torch.float32, device=DEVICE)
     _convert_kernel[(src.numel() // 1024,)](src, dst, BLOCK=1024, UNPACK=unpack)
     assert torch.equal(dst.view(torch.int32), src.float().view(torch.int32))
-
-
-def test_unpack_rule_needs_a_bf16_tensor_and_a_16_divisible_vocabulary(monkeypatch):
-    import specdec.kernels.rejection_sampling as kernel
-
-    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
-    monkeypatch.setattr(kernel, "_INTERPRET", True)
-    assert not kernel._unpack(None, bf16, bf16, 32000) and not kernel._unpack(True, bf16, bf16, 32000)
-    monkeypatch.setattr(kernel, "_INTERPRET", False)
-    assert kernel._unpack(None, bf16, bf16, 32000) and kernel._unpack(None, bf16, bf16, 151936)
-    assert kernel._unpack(None, bf16, fp32, 32000) and kernel._unpack(None, fp32, bf16, 32000)  # either tensor
-    assert not kernel._unpack(None, fp16, fp16, 32000) and not kernel._unpack(None, fp32, fp32, 32000)
-    assert not kernel._unpack(None, bf16, bf16, 32001)  # rows not provably 16-byte aligned
-    assert kernel._unpack(True, bf16, bf16, 32001) and not kernel._unpack(False, bf16, bf16, 32000)
-    assert not kernel._unpack(True, fp32, fp16, 32000)  # no bf16 tile to unpack
 
 
 @gpu_only
@@ -321,57 +349,21 @@ def test_unpack_rule_needs_a_bf16_tensor_and_a_16_divisible_vocabulary(monkeypat
 @pytest.mark.parametrize("unpack", [True, False])
 def test_target_and_draft_logits_of_different_dtypes_gpu(target_dtype, draft_dtype, unpack):
     """Each logit tensor takes its own conversion (a bf16 verifier with fp32 draft logits after top-k / top-p
-    filtering is a real input): only the bf16 one goes through the unpack."""
+    filtering is a real input): only a bf16 one goes through the unpack."""
     for batch, num_drafts, vocab in [(1, 4, 32000), (64, 8, 32000), (7, 4, 8193)]:
         target, draft, drafts, seeds, offsets = make_case(batch, num_drafts, vocab, seed=batch + vocab)
         case = (target.to(target_dtype), draft.to(draft_dtype), drafts, seeds, offsets)
-        assert_matches_reference(*case, 1.0, strategies=("split",), tune=dict(unpack=unpack))
+        plan = plan_for(case[0], unpack_bf16=unpack)
+        assert_matches_reference(*case, 1.0, plan=plan)
         greedy_mask = torch.arange(batch, device=DEVICE) % 3 == 1
-        assert_matches_reference(*case, 0.7, strategies=("split",), tune=dict(unpack=unpack), greedy_mask=greedy_mask)
-
-
-@pytest.mark.parametrize("key", ["ftz", "fast_log", "fold_scale", "unpack"])
-def test_fast_math_settings_must_be_none_or_bool(key):
-    case = make_case(1, 1, 100, seed=1)
-    with pytest.raises(ValueError, match=key):
-        rejection_sample_triton(*case, 1.0, tune={key: "no"})
-    with pytest.raises(ValueError, match=key):
-        rejection_sample_triton(*case, 1.0, tune={key: 0})
-    rejection_sample_triton(*case, 1.0, tune={key: False})  # accepted (the interpreter ignores it)
-
-
-def test_unknown_tune_key_is_an_error():
-    case = make_case(1, 1, 100, seed=1)
-    with pytest.raises(ValueError, match="unknown tune"):
-        rejection_sample_triton(*case, 1.0, tune={"race_blok": 64})
-    with pytest.raises(ValueError, match="race_tiles"):
-        rejection_sample_triton(*case, 1.0, tune={"race_tiles": 3})
-    with pytest.raises(TypeError, match=r"tune\['stages'\]"):
-        rejection_sample_triton(*case, 1.0, tune={"stages": 3})
-    with pytest.raises(ValueError, match=r"tune\['stages'\]"):
-        rejection_sample_triton(*case, 1.0, tune={"stages": (0, 2)})
-    with pytest.raises(ValueError, match=r"tune\['stats_programs'\]"):
-        rejection_sample_triton(*case, 1.0, tune={"stats_programs": 0})
-
-
-def test_stats_programs_rule_halves_the_statistics_grid_for_small_fp32_batches_with_five_or_more_drafts():
-    from specdec.kernels.rejection_sampling import FP32_SMALL_VOCAB, _stats_programs
-
-    assert _stats_programs(None, 4, 32000, 8, 8) == 2 and _stats_programs(None, 4, FP32_SMALL_VOCAB, 12, 1) == 2
-    assert _stats_programs(None, 4, 32000, 5, 4) == 2
-    assert _stats_programs(None, 4, 32000, 8, 16) == 4  # (32, 8, 32000) lost with 2
-    assert _stats_programs(None, 4, 32000, 4, 8) == 4 and _stats_programs(None, 4, 151936, 8, 8) == 4
-    assert _stats_programs(None, 2, 32000, 8, 8) == 4  # bf16 lost with 2
-    assert _stats_programs(6, 2, 32000, 8, 8) == 6  # an explicit setting wins
+        assert_matches_reference(*case, 0.7, plan=plan, greedy_mask=greedy_mask)
 
 
 @pytest.mark.parametrize("vocab", [1, 3])
 def test_tiny_vocabularies_are_exact(vocab):
-    # V below the stats tile's 8-wide inner dimension (the interpreter sizes tiles from V)
+    # V below the statistics tile's 8-wide inner dimension (the interpreter sizes tiles from V)
     case = make_case(3, 2, vocab, seed=vocab)
     assert_matches_reference(*case, 1.0)
-    with pytest.raises(ValueError, match="block_v"):
-        rejection_sample_triton(*case, 1.0, block_v=4)
 
 
 def test_exact_vocab_8193_not_a_multiple_of_the_tile():
@@ -477,9 +469,9 @@ def _near_equal_case(kind, batch=16, num_drafts=2, vocab=4096, seed=15):
 
 @pytest.mark.parametrize("kind", ["shift", "relative_noise"])
 def test_q_equal_p_up_to_rounding_matches_reference_exactly(kind):
-    # Regression (GPU benchmark row 123 of (128, 8, 128256)): with q == p up to rounding the residual is rounding
-    # noise; the reference's could be exactly 0 (race on p) while the kernel's was not (race on noise). Both now
-    # race on p unless the residual mass exceeds RESIDUAL_MASS_EPS.
+    # With q == p up to rounding the residual is rounding noise; a rule "race on p only when the residual is exactly
+    # 0" would make the backends disagree (the reference's residual can be exactly 0, the kernel's noise). Both race
+    # on p unless the residual mass exceeds RESIDUAL_MASS_EPS.
     target, draft, drafts, seeds, offsets = _near_equal_case(kind)
     ref = assert_matches_reference(target, draft, drafts, seeds, offsets, 1.0)
     assert bool((ref[1] == 1).all())
@@ -502,12 +494,11 @@ def test_residual_below_mass_threshold_races_on_p_above_it_on_the_residual():
 
 def test_launch_shape_invariance_row_alone_equals_row_in_a_batch_of_64():
     target, draft, drafts, seeds, offsets = make_case(64, 4, 100, torch.bfloat16, seed=12)
-    full = {s: rejection_sample_triton(target, draft, drafts, seeds, offsets, 1.0, strategy=s) for s in STRATEGIES}
-    assert torch.equal(full["split"][0], full["seq"][0])
+    full = rejection_sample_triton(target, draft, drafts, seeds, offsets, 1.0)
     for row in (0, 29, 63):
         sl = slice(row, row + 1)
         alone = rejection_sample_triton(target[sl], draft[sl], drafts[sl], seeds[sl], offsets[sl], 1.0)
-        assert torch.equal(alone[0][0], full["seq"][0][row])
+        assert torch.equal(alone[0][0], full[0][row])
 
 
 def test_nan_and_all_minus_inf_rows_never_yield_an_out_of_range_id():
@@ -515,12 +506,10 @@ def test_nan_and_all_minus_inf_rows_never_yield_an_out_of_range_id():
     target[0] = float("nan")
     target[1] = float("-inf")
     draft[2] = float("nan")
-    for strategy in STRATEGIES:
-        for temperature in (1.0, 0.0):
-            tokens, accepted, _, _ = rejection_sample_triton(target, draft, drafts, seeds, offsets, temperature,
-                                                             strategy=strategy)
-            assert bool(((tokens >= -1) & (tokens < 100)).all())
-            assert bool(((accepted >= 0) & (accepted <= 4)).all())
+    for temperature in (1.0, 0.0):
+        tokens, accepted, _, _ = rejection_sample_triton(target, draft, drafts, seeds, offsets, temperature)
+        assert bool(((tokens >= -1) & (tokens < 100)).all())
+        assert bool(((accepted >= 0) & (accepted <= 4)).all())
     with pytest.raises(ValueError, match="NaN"):
         specdec.rejection_sample(target, draft, drafts, backend="triton")
 
@@ -539,23 +528,34 @@ def test_public_api_triton_backend_equals_torch_backend():
 # Statistics through the Triton backend: emitted tokens follow p, accepted counts follow the closed form
 
 
-def _statistical_check(strategy: str, rows: int, temperature: float, seed: int, tune: dict | None = None):
-    vocab, num_drafts = 5, 2
+def _statistical_check(rows: int, temperature: float, seed: int, public: bool = False, vocab: int = 5,
+                       support: list[int] | None = None, plan_changes: dict | None = None):
+    """Many independent rows (distinct seeds) of one (p, q) pair over ``vocab`` ids, every logit outside
+    ``support`` (default: all ids) ``-inf``."""
+    num_drafts = 2
+    support = list(range(vocab)) if support is None else support
     gen = torch.Generator().manual_seed(seed)
-    target = (torch.randn(num_drafts + 1, vocab, generator=gen) * 1.5).to(DEVICE)
-    draft = (torch.randn(num_drafts, vocab, generator=gen) * 1.5).to(DEVICE)
+    target = torch.full((num_drafts + 1, vocab), float("-inf"))
+    draft = torch.full((num_drafts, vocab), float("-inf"))
+    target[:, support] = torch.randn(num_drafts + 1, len(support), generator=gen) * 1.5
+    draft[:, support] = torch.randn(num_drafts, len(support), generator=gen) * 1.5
+    target, draft = target.to(DEVICE), draft.to(DEVICE)
     q = torch.softmax(draft / temperature, -1).cpu()
     drafts = torch.stack([torch.multinomial(q[j], rows, replacement=True, generator=gen)
                           for j in range(num_drafts)], dim=1).to(DEVICE)
     seeds = torch.arange(rows, dtype=torch.int64, device=DEVICE) * 1_000_003 + seed
-    if strategy == "public":
-        out = specdec.rejection_sample(target.expand(rows, -1, -1), draft.expand(rows, -1, -1), drafts,
-                                       temperature=temperature, seeds=seeds, backend="triton")
+    batch_target, batch_draft = target.expand(rows, -1, -1), draft.expand(rows, -1, -1)
+    if public:
+        out = specdec.rejection_sample(batch_target, batch_draft, drafts, temperature=temperature, seeds=seeds,
+                                       backend="triton")
         tokens, accepted = out.tokens.cpu(), out.num_accepted.cpu()
     else:
-        tokens, accepted, _, _ = rejection_sample_triton(
-            target.expand(rows, -1, -1), draft.expand(rows, -1, -1), drafts, seeds, torch.zeros_like(seeds),
-            temperature, strategy=strategy, tune=tune)
+        plan = plan_for(batch_target, **(plan_changes or {}))
+        offsets = torch.zeros_like(seeds)
+        tokens, accepted, _, _ = rejection_sample_triton(batch_target, batch_draft, drafts, seeds, offsets,
+                                                         temperature, plan=plan)
+        ref = rejection_sample_reference(batch_target, batch_draft, drafts, seeds, offsets, temperature)
+        assert torch.equal(tokens, ref[0]) and torch.equal(accepted, ref[1])
         tokens, accepted = tokens.cpu(), accepted.cpu()
     positions = torch.arange(num_drafts + 1)
     assert bool(((tokens >= 0) == (positions[None] <= accepted[:, None])).all())
@@ -563,10 +563,10 @@ def _statistical_check(strategy: str, rows: int, temperature: float, seed: int, 
     for j in range(num_drafts + 1):
         reached = tokens[:, j] >= 0
         if int(reached.sum()) >= 100:
-            assert_follows(torch.bincount(tokens[reached, j], minlength=vocab), p[j], what=f"{strategy} pos {j}")
+            assert_follows(torch.bincount(tokens[reached, j], minlength=vocab), p[j], what=f"position {j}")
     alpha = acceptance_from_logits(target[:num_drafts].cpu(), draft.cpu(), temperature).double()
     assert_follows(torch.bincount(accepted, minlength=num_drafts + 1), accepted_count_distribution(alpha),
-                   what=f"{strategy} accepted counts")
+                   what="accepted counts")
 
 
 PUBLIC_STAT_ROWS = 20000 if CUDA else 1200
@@ -574,31 +574,28 @@ RACE_TILE_STAT_ROWS = 100_000 if CUDA else 400
 
 
 def test_statistics_through_triton_backend():
-    # the public entry point; its "auto" strategy runs the split kernels with the default plan (the split strategy
-    # on its own, at 100k rows and two temperatures: test_statistics_gpu_many_rows)
-    _statistical_check("public", PUBLIC_STAT_ROWS, 0.8, seed=21)
+    # the public entry point with its automatic plan (100k rows at two temperatures: test_statistics_gpu_many_rows)
+    _statistical_check(PUBLIC_STAT_ROWS, 0.8, seed=21, public=True)
 
 
 @gpu_only
-@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_statistics_gpu_many_rows(strategy, temperature):
-    _statistical_check(strategy, 100_000, temperature, seed=31)
+def test_statistics_gpu_many_rows(temperature):
+    _statistical_check(100_000, temperature, seed=31)
 
 
 @pytest.mark.parametrize("race_tiles", [1, 4])
-def test_statistics_through_triton_with_two_level_race_across_tiles(race_tiles, monkeypatch):
-    # 2-id race tiles (patched into the launcher): V = 5 has 3 tiles, the last ragged, so level 1 of the race decides
-    # every recovered and bonus token; race_tiles 1 spreads them over 2 programs (loop path, fused finalize),
-    # race_tiles 4 puts them in one block (level 2 from registers).
-    import specdec.kernels.rejection_sampling as kernel
-
-    monkeypatch.setattr(kernel, "RACE_TILE", 2)
-    _statistical_check("split", RACE_TILE_STAT_ROWS, 0.8, seed=23 + race_tiles, tune=dict(race_tiles=race_tiles))
+def test_statistics_through_triton_with_two_level_race_across_tiles(race_tiles):
+    # p and q live on 5 ids in 4 race tiles of 256 (two ids in tile 0, one in the ragged last tile), so level 1 of
+    # the race decides every recovered and bonus token: race_tiles 1 loops over the tiles in 2 programs a row (the
+    # fused finalize combines them), race_tiles 4 holds the row in one block (level 2 from registers)
+    _statistical_check(RACE_TILE_STAT_ROWS, 0.8, seed=23 + race_tiles, vocab=1000, support=[5, 250, 300, 700, 999],
+                       plan_changes=dict(race_tiles=race_tiles, race_warps=race_tiles,
+                                         race_splits=2 if race_tiles == 1 else 1))
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# GPU: the full matrix of issue 3 and large shapes
+# GPU: the full matrix and large shapes
 
 
 @gpu_only
@@ -613,26 +610,24 @@ def test_exact_matrix_gpu(batch, num_drafts, vocab, dtype):
     assert_matches_reference(*case, 0.7, greedy_mask=greedy_mask)
 
 
-GPU_LAUNCH_PLANS = dict(default={}, no_fuse=LAUNCH_PLANS["no_fuse"],
-                        prefetch=dict(stats_prefetch=True, stats_block=4096, stats_warps=16),
-                        race_tiles4=dict(race_tiles=4, race_warps=4), race_programs8=dict(race_programs=8),
-                        no_stats_prefetch=dict(stats_prefetch=False),
-                        one_warp_race=LAUNCH_PLANS["one_warp_race"], pdl1=dict(pdl=1), pdl2=dict(pdl=2),
-                        no_ftz=dict(ftz=False), l2_keep=dict(l2_keep=2), no_fast_log=dict(fast_log=False),
-                        fold_on=dict(fold_scale=True), fold_off=dict(fold_scale=False),
-                        unpack_off=dict(unpack=False), unpack_fold=dict(unpack=True, fold_scale=True))
+GPU_LAUNCH_PLANS = dict(default={}, prefetch=dict(prefetch=True, stats_block=4096, stats_warps=16),
+                        race_tiles4=dict(race_tiles=4, race_warps=4), race_splits8=dict(race_splits=8),
+                        no_prefetch=dict(prefetch=False), one_warp_race=LAUNCH_PLANS["one_warp_race"],
+                        pdl=dict(pdl=True), no_pdl=dict(pdl=False), no_fast_math=dict(fast_math=False,
+                                                                                       fold_scale=False),
+                        l2_keep=dict(l2_keep=True), fold_on=dict(fold_scale=True), fold_off=dict(fold_scale=False),
+                        unpack_off=dict(unpack_bf16=False), unpack_fold=dict(unpack_bf16=True, fold_scale=True))
 
 
 @gpu_only
-@pytest.mark.parametrize("plan", list(GPU_LAUNCH_PLANS))
+@pytest.mark.parametrize("name", list(GPU_LAUNCH_PLANS))
 @pytest.mark.parametrize("batch,num_drafts,vocab", [(1, 4, 151936), (64, 8, 32000)])
-def test_launch_plans_gpu(plan, batch, num_drafts, vocab):
+def test_launch_plans_gpu(name, batch, num_drafts, vocab):
     case = make_case(batch, num_drafts, vocab, torch.bfloat16, seed=batch + vocab)
-    tune = GPU_LAUNCH_PLANS[plan]
-    assert_matches_reference(*case, 1.0, strategies=("split",), tune=tune)
+    plan = plan_for(case[0], **GPU_LAUNCH_PLANS[name])
+    assert_matches_reference(*case, 1.0, plan=plan)
     greedy_mask = torch.arange(batch, device=DEVICE) % 3 == 1
-    assert_matches_reference(*case, 0.7, strategies=("split",), tune=tune, greedy_mask=greedy_mask,
-                             compute_scores=True)
+    assert_matches_reference(*case, 0.7, plan=plan, greedy_mask=greedy_mask, compute_scores=True)
 
 
 @gpu_only
@@ -641,31 +636,31 @@ def test_launch_plans_gpu(plan, batch, num_drafts, vocab):
                           (32, 4, 32000, torch.float32), (128, 8, 32000, torch.float32)],
                          ids=["bf16-few-race-8", "bf16-few-race-16", "fp32-l2-32", "fp32-l2-128"])
 def test_few_race_programs_and_l2_keep_plans_gpu(batch, num_drafts, vocab, dtype):
-    # the automatic plans of BF16_FEW_RACE_BATCH (one race program per SM) and of _l2_keep (eviction hints), with
-    # greedy rows, scores and ragged drafts
-    from specdec.kernels.rejection_sampling import TUNE_DEFAULT, _l2_keep, _race_plan
-
-    esize = torch.tensor([], dtype=dtype).element_size()
+    # the automatic plans with one race program per SM (16-bit, B = 8-16, V <= 65536) and with eviction hints
+    # (fp32, B >= 32, small vocabularies), with greedy rows, scores and ragged drafts
+    plan = plan_launch(batch, num_drafts, vocab, dtype, DEVICE)
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     if dtype == torch.bfloat16:  # these shapes do take the plan under test
-        assert _race_plan(esize, batch, dict(TUNE_DEFAULT), None, interpret=False, vocab=vocab)[2] == 1
+        assert plan.race_splits == grid_splits(vocab, plan.race_tiles * 256, batch, sms)
     else:
-        assert _l2_keep(None, esize, vocab, num_drafts, batch) == 1
+        assert plan.l2_keep
     case = make_case(batch, num_drafts, vocab, dtype, seed=batch * 11 + num_drafts)
-    assert_matches_reference(*case, 1.0, strategies=("split",))
+    assert_matches_reference(*case, 1.0)
     case[2][1, 2:] = -1
     greedy_mask = torch.arange(batch, device=DEVICE) % 3 == 1
-    assert_matches_reference(*case, 0.7, strategies=("split",), greedy_mask=greedy_mask, compute_scores=True)
+    assert_matches_reference(*case, 0.7, greedy_mask=greedy_mask, compute_scores=True)
 
 
 @gpu_only
 @pytest.mark.parametrize("batch,num_drafts,vocab", [(32, 1, 32000), (32, 8, 32000), (64, 8, 151936),
                                                      (128, 1, 128256)])
 def test_fp32_one_warp_race_plan_gpu(batch, num_drafts, vocab):
-    # fp32 with B >= FP32_ONE_WARP_RACE_BATCH takes the one-warp race plan automatically; scores and greedy rows too
+    # fp32 with B >= 32 takes the one-warp race plan automatically; scores and greedy rows too
+    assert plan_launch(batch, num_drafts, vocab, torch.float32, DEVICE).race_warps == 1
     case = make_case(batch, num_drafts, vocab, torch.float32, seed=batch * 7 + vocab)
-    assert_matches_reference(*case, 1.0, strategies=("split",))
+    assert_matches_reference(*case, 1.0)
     greedy_mask = torch.arange(batch, device=DEVICE) % 3 == 1
-    assert_matches_reference(*case, 0.7, strategies=("split",), greedy_mask=greedy_mask, compute_scores=True)
+    assert_matches_reference(*case, 0.7, greedy_mask=greedy_mask, compute_scores=True)
 
 
 @gpu_only
@@ -700,8 +695,8 @@ def _stopped_before(target, draft, tokens, seeds, offsets, pos_lo, n_b, greedy=F
     argmax = target[0].argmax(-1).to(torch.int32).reshape(k1, 1).contiguous().to(DEVICE)
     out = torch.full((1,), -1, dtype=torch.int32, device=DEVICE)
     _probe_rejected_before[(1,)](target.to(DEVICE), draft.to(DEVICE), tokens.to(DEVICE), seeds.to(DEVICE),
-                          offsets.to(DEVICE), packed, argmax, out, n_b, int(greedy), 1.0, vocab, k1 - 1, 1, pos_lo,
-                          JP2=8, SP2=2)
+                                 offsets.to(DEVICE), packed, argmax, out, n_b, int(greedy), 1.0, vocab, k1 - 1, 1,
+                                 pos_lo, JP2=8, SP2=2)
     return bool(out.item())
 
 
@@ -760,7 +755,7 @@ def test_stage_plans_give_the_same_result(stages) -> None:
     """Any staging of the statistics launches gives the reference's tokens (rows stop at every position here)."""
     target, draft, tokens, seeds, offsets = make_case(8, 8, 300, seed=11, noise=0.3)
     ref = rejection_sample_reference(target, draft, tokens, seeds, offsets, 1.0)
-    got = rejection_sample_triton(target, draft, tokens, seeds, offsets, 1.0, tune={"stages": stages})
+    got = rejection_sample_triton(target, draft, tokens, seeds, offsets, 1.0, plan=plan_for(target, stages=stages))
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     assert len(set(got[1].tolist())) >= 3  # several different stop positions
 
@@ -782,27 +777,26 @@ def _live_skip_case(batch: int, num_drafts: int, vocab: int, dtype=torch.float32
 
 @pytest.mark.parametrize("splits", [1, 3])
 def test_live_skip_reads_nothing_past_a_certain_rejection_and_stays_exact(splits, monkeypatch) -> None:
-    """tune['live_skip']: the statistics in one position-major launch (a [S, B * K] grid); the last program of a
-    position certainly rejected marks the row, and programs of its later positions stop reading. No position a
-    row can reach is ever cut short, and tokens and counts equal the reference's, at T = 1 with full and ragged
-    draft counts; a batch with greedy rows, or at T = 0, falls back to the usual grid (the launcher never runs live
-    skip with greedy rows) and is exact too. The interpreter runs the programs one after another, so there the
-    skips are deterministic: with one split (all of a position's programs before the next position's) every
-    position past a row's rejection reads nothing (its partials stay empty); with three (split s of every position
-    after split s - 1 of all of them) only the last split of those positions does. On a GPU the programs overlap
-    and which ones stop depends on timing."""
-    import specdec.kernels.rejection_sampling as kernel
+    """Live skip: the statistics in one position-major launch (a [S, B * K] grid); the last program of a position
+    certainly rejected marks the row, and programs of its later positions stop reading. No position a row can reach
+    is ever cut short, and tokens and counts equal the reference's, at T = 1 with full and ragged draft counts; a
+    batch with greedy rows, or at T = 0, falls back to the usual grid (the launcher never runs live skip with greedy
+    rows) and is exact too. The interpreter runs the programs one after another, so there the skips are
+    deterministic: with one split (all of a position's programs before the next position's) every position past a
+    row's rejection reads nothing (its partials stay empty); with three (split s of every position after split
+    s - 1 of all of them) only the last split of those positions does. On a GPU the programs overlap and which ones
+    stop depends on timing."""
+    import specdec.kernels.rejection_sampling as launcher
 
-    spy = _StatsLaunchSpy(kernel._stats_kernel)
-    monkeypatch.setattr(kernel, "_stats_kernel", spy)
+    spy = _StatsLaunchSpy(launcher._stats_kernel)
+    monkeypatch.setattr(launcher, "_stats_kernel", spy)
     batch, num_drafts, vocab = 10, 4, 300
     target, draft, drafts, seeds, offsets, stops = _live_skip_case(batch, num_drafts, vocab, seed=31)
-    # (stats_programs: the split count is num_splits)
-    tune = dict(live_skip=True, skip_bonus=True, stats_programs=1000, stats_prefetch=splits == 3)
+    plan = plan_for(target, live_skip=True, skip_bonus=True, stats_block=64, stats_splits=splits,
+                    prefetch=splits == 3)
     ref = rejection_sample_reference(target, draft, drafts, seeds, offsets, 1.0)
     assert torch.equal(ref[1], stops)
-    got = rejection_sample_triton(target, draft, drafts, seeds, offsets, 1.0, block_v=64, num_splits=splits,
-                                  tune=tune)
+    got = rejection_sample_triton(target, draft, drafts, seeds, offsets, 1.0, plan=plan)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     assert spy.grid == (splits, batch * num_drafts)  # position-major: (splits, B * K)
     stats = spy.stats.reshape(batch, num_drafts + 1, splits, 4)
@@ -821,107 +815,105 @@ def test_live_skip_reads_nothing_past_a_certain_rejection_and_stays_exact(splits
         ref = rejection_sample_reference(target, draft, drafts, seeds, offsets, temperature, greedy_mask=mask,
                                          num_draft_tokens=counts)
         got = rejection_sample_triton(target, draft, drafts, seeds, offsets, temperature, greedy_mask=mask,
-                                      num_draft_tokens=counts, block_v=64, num_splits=splits, tune=tune)
+                                      num_draft_tokens=counts, plan=plan)
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
         assert (spy.grid[0] == splits) == live  # position-major (splits, B * K) only without greedy rows
 
 
-def test_auto_stages_rule(monkeypatch) -> None:
-    """The automatic staged plan, as on the GPU. fp32 logits with V > 65536, K >= 4 and B < 48 from 100 MB:
-    positions 0-1 first for K <= 7, 0-2 for K >= 8 (V <= 65536: K = 6-7 only, 0-1 first). Otherwise from 200 MB
-    with K >= 6: 0-2 first, except fp32 with K = 6 (0-1 first). One launch elsewhere. Each negative case misses one
-    condition."""
-    import specdec.kernels.rejection_sampling as kernel
-    from specdec.kernels.rejection_sampling import _auto_stages
+# (B, K, V, dtype) -> the statistics the automatic plan runs on an H100: "live" (one live-skip launch) or the
+# positions where its launches start
+STATISTICS_RULE = [
+    ((32, 8, 151936, torch.float32), (0, 3)),  # fp32 K = 8, 331 MB
+    ((128, 8, 151936, torch.bfloat16), "live"),  # bf16 K = 8, 661 MB: from 500 MB
+    ((32, 7, 151936, torch.float32), (0, 2)),  # fp32 K = 7, 292 MB
+    ((32, 6, 128256, torch.float32), (0, 2)),  # fp32 K = 6, 213 MB
+    ((64, 6, 151936, torch.bfloat16), (0, 3)),  # bf16 K = 6, 253 MB
+    ((32, 6, 100000, torch.float32), (0, 2)),  # fp32 K = 6, 166 MB
+    ((32, 4, 128256, torch.float32), (0, 2)),  # fp32 K = 4, 148 MB
+    ((16, 8, 151936, torch.float32), (0, 3)),  # fp32 K = 8, 165 MB
+    ((16, 8, 90000, torch.float32), (0,)),  # fp32 K = 8, 98 MB
+    ((32, 8, 65536, torch.float32), (0,)),  # fp32 K = 8, 143 MB, but V <= 65536
+    ((32, 7, 65536, torch.float32), (0, 2)),  # fp32 K = 7, V <= 65536, 126 MB
+    ((32, 6, 65536, torch.float32), (0, 2)),  # fp32 K = 6, V <= 65536, 109 MB
+    ((32, 6, 48000, torch.float32), (0,)),  # fp32 K = 6, V <= 65536, 80 MB
+    ((40, 5, 65536, torch.float32), (0,)),  # fp32 K = 5, V <= 65536, 115 MB
+    ((48, 4, 128256, torch.float32), "live"),  # fp32 K = 4, B = 48, 222 MB: from 200 MB
+    ((32, 3, 151936, torch.float32), (0,)),  # fp32 K = 3, 136 MB
+    ((32, 8, 151936, torch.bfloat16), (0,)),  # bf16 K = 8, 165 MB
+    ((32, 8, 32000, torch.float32), (0,)),  # 70 MB
+    ((128, 5, 151936, torch.bfloat16), (0,)),  # bf16 K = 5, 428 MB
+    ((128, 8, 32000, torch.float32), "live"),  # fp32, 278 MB
+    ((128, 4, 32000, torch.float32), (0,)),  # fp32, 147 MB
+    ((256, 3, 151936, torch.float32), (0,)),  # K = 3: never live
+    ((128, 4, 151936, torch.float32), "live"),  # fp32 K = 4, 700 MB
+    ((64, 8, 151936, torch.bfloat16), (0, 3)),  # bf16 K = 8, 330 MB: staged, not live
+    ((64, 3, 151936, torch.float32), (0,)),  # fp32 272 MB, but K = 3
+    ((32, 8, 151936, torch.float32), (0, 3)),  # 331 MB of fp32, but B = 32: staged, not live
+]
 
-    monkeypatch.setattr(kernel, "_INTERPRET", False)
-    assert _auto_stages(9, 32, 151936, 4) == (3,)  # fp32 K = 8, 331 MB
-    assert _auto_stages(9, 128, 151936, 2) == (3,)  # bf16 K = 8, 661 MB
-    assert _auto_stages(8, 32, 151936, 4) == (2,)  # fp32 K = 7, 292 MB
-    assert _auto_stages(7, 32, 128256, 4) == (2,)  # fp32 K = 6, 213 MB
-    assert _auto_stages(7, 64, 151936, 2) == (3,)  # bf16 K = 6, 253 MB
-    assert _auto_stages(7, 32, 100000, 4) == (2,)  # fp32 K = 6, 166 MB
-    assert _auto_stages(5, 32, 128256, 4) == (2,)  # fp32 K = 4, 148 MB
-    assert _auto_stages(9, 16, 151936, 4) == (3,)  # fp32 K = 8, 165 MB
-    assert _auto_stages(9, 16, 90000, 4) == ()  # fp32 K = 8, 98 MB
-    assert _auto_stages(9, 32, 65536, 4) == ()  # fp32 K = 8, 143 MB, but V <= 65536
-    assert _auto_stages(8, 32, 65536, 4) == (2,)  # fp32 K = 7, V <= 65536, 126 MB
-    assert _auto_stages(7, 32, 65536, 4) == (2,)  # fp32 K = 6, V <= 65536, 109 MB
-    assert _auto_stages(7, 32, 48000, 4) == ()  # fp32 K = 6, V <= 65536, 80 MB
-    assert _auto_stages(6, 40, 65536, 4) == ()  # fp32 K = 5, V <= 65536, 115 MB
-    assert _auto_stages(5, 48, 128256, 4) == ()  # fp32 K = 4, 222 MB, but B = 48 (live skip's range)
-    assert _auto_stages(4, 32, 151936, 4) == ()  # fp32 K = 3, 136 MB
-    assert _auto_stages(9, 32, 151936, 2) == ()  # bf16 K = 8, 165 MB
-    assert _auto_stages(9, 32, 32000, 4) == ()  # 70 MB
-    assert _auto_stages(6, 128, 151936, 2) == ()  # bf16 K = 5, 428 MB
+
+@pytest.mark.parametrize("shape,expected", STATISTICS_RULE, ids=[str(s[:3]) for s, _ in STATISTICS_RULE])
+def test_statistics_launch_rule(shape, expected) -> None:
+    batch, num_drafts, vocab, dtype = shape
+    plan = _gpu_plan(batch, num_drafts, vocab, dtype)
+    if expected == "live":
+        assert plan.live_skip and len(statistics_launches(plan, num_drafts)) == 1
+    else:
+        assert not plan.live_skip
+        assert [lo for lo, _ in statistics_launches(plan, num_drafts)] == list(expected)
+    # greedy rows and scores never run live skip; scores need one launch
+    assert not _gpu_plan(batch, num_drafts, vocab, dtype, greedy_rows=True).live_skip
+    scored = _gpu_plan(batch, num_drafts, vocab, dtype, scores=True)
+    assert not scored.live_skip and len(statistics_launches(scored, num_drafts)) == 1
 
 
-def test_live_skip_rule(monkeypatch) -> None:
-    import specdec.kernels.rejection_sampling as kernel
-    from specdec.kernels.rejection_sampling import _live_skip
-
-    assert _live_skip(True, False, False, 32, 9, 151936, 2) and not _live_skip(False, False, False, 128, 9, 151936, 4)
-    assert not _live_skip(True, True, False, 32, 9, 151936, 2)  # scores need every position
-    assert not _live_skip(True, False, True, 32, 9, 151936, 2)  # greedy rows (barriers in their statistics loop)
-    assert not _live_skip(True, False, False, 8192, 8, 100, 4)  # the grid's second dimension, B * (K + 1) < 65536
-    assert not _live_skip(None, False, False, 128, 9, 151936, 4) or not kernel._INTERPRET  # never in the interpreter
-    # automatic, as on the GPU: >= 500 MB of logits (fp32 with B >= 48: 200 MB) with K >= 4; each negative case
-    # misses exactly one condition
-    monkeypatch.setattr(kernel, "_INTERPRET", False)
-    assert _live_skip(None, False, False, 128, 9, 151936, 4)  # 1.3 GB
-    assert _live_skip(None, False, False, 128, 9, 151936, 2)  # 661 MB
-    assert _live_skip(None, False, False, 128, 5, 151936, 4)  # K = 4, 700 MB
-    assert not _live_skip(None, False, True, 128, 9, 151936, 4)  # greedy rows
-    assert not _live_skip(None, True, False, 128, 9, 151936, 4)  # scores
-    assert not _live_skip(None, False, False, 256, 4, 151936, 4)  # K = 3
-    assert not _live_skip(None, False, False, 32, 9, 151936, 4)  # 331 MB of fp32, but B = 32
-    assert _live_skip(None, False, False, 48, 5, 128256, 4)  # fp32, B = 48, 222 MB
-    assert _live_skip(None, False, False, 128, 9, 32000, 4)  # fp32, 278 MB
-    assert not _live_skip(None, False, False, 128, 5, 32000, 4)  # fp32, 147 MB
-    assert not _live_skip(None, False, False, 64, 9, 151936, 2)  # bf16, 331 MB
-    assert not _live_skip(None, False, False, 64, 4, 151936, 4)  # fp32, 272 MB, but K = 3
+def test_live_skip_is_never_planned_in_the_interpreter_or_for_huge_grids() -> None:
+    assert not plan_launch(128, 8, 151936, torch.float32, INTERPRETER).live_skip
+    forced = replace(_gpu_plan(32, 8, 151936, torch.bfloat16), live_skip=True)
+    assert not forced.restricted(batch=8192, num_drafts=7, greedy_rows=False, scores=False).live_skip  # 65536 pairs
+    assert forced.restricted(batch=8191, num_drafts=7, greedy_rows=False, scores=False).live_skip
 
 
 @gpu_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("stats_programs", [4, 32])
-def test_live_skip_gpu_exact(stats_programs, dtype) -> None:
+@pytest.mark.parametrize("programs_per_sm", [4, 32])
+def test_live_skip_gpu_exact(programs_per_sm, dtype) -> None:
     """On the GPU the programs of a launch overlap, so which ones skip depends on timing: with few and with many
     statistics programs per SM, ragged counts and -1 drafts, repeated calls give the reference's tokens; batches
-    with greedy rows and at T = 0 (which run the usual grid: the launcher never uses live skip with greedy rows)
-    too."""
+    with greedy rows and at T = 0 (which run the usual grid) too."""
     batch = 32
-    target, draft, drafts, seeds, offsets = make_case(batch, 8, 151936, dtype, seed=stats_programs, noise=0.4)
+    target, draft, drafts, seeds, offsets = make_case(batch, 8, 151936, dtype, seed=programs_per_sm, noise=0.4)
     drafts[0, 6:] = -1
     counts = torch.full((batch,), 8, dtype=torch.int64, device=DEVICE)
     counts[-1] = 5
     greedy_mask = torch.arange(batch, device=DEVICE) % 2 == 1
-    tune = dict(live_skip=True, stats_programs=stats_programs)
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    auto = plan_for(target)
+    plan = replace(auto, live_skip=True,
+                   stats_splits=grid_splits(151936, auto.stats_block, batch * 9, programs_per_sm * sms))
     for temperature, mask in ((1.0, None), (0.7, greedy_mask), (0.0, None)):
         ref = rejection_sample_reference(target, draft, drafts, seeds, offsets, temperature, greedy_mask=mask,
                                          num_draft_tokens=counts)
         for _ in range(3 if mask is None and temperature > 0 else 1):  # (repeats: the live path's timing)
             got = rejection_sample_triton(target, draft, drafts, seeds, offsets, temperature, greedy_mask=mask,
-                                          num_draft_tokens=counts, tune=tune)
+                                          num_draft_tokens=counts, plan=plan)
             assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), temperature
     target, draft, drafts, seeds, offsets, stops = _live_skip_case(batch, 8, 151936, dtype, seed=5)
-    got = rejection_sample_triton(target, draft, drafts, seeds, offsets, 1.0, tune=tune)
+    got = rejection_sample_triton(target, draft, drafts, seeds, offsets, 1.0, plan=plan)
     assert torch.equal(got[1], stops)
 
 
 @gpu_only
-@pytest.mark.parametrize("batch,num_drafts,vocab,plan", [
-    (32, 6, 128256, [(0, 2), (2, 5)]),  # fp32 K = 6 from 200 MB (213 MB)
-    (32, 4, 128256, [(0, 2), (2, 3)]),  # fp32, V > 65536, B < 48, from 100 MB (148 MB), K <= 7
-    (16, 8, 151936, [(0, 3), (3, 6)]),  # the same range with K >= 8 (165 MB)
-    (32, 7, 65536, [(0, 2), (2, 6)]),  # V <= 65536 (the small-vocabulary statistics plan), K = 7 (126 MB)
+@pytest.mark.parametrize("batch,num_drafts,vocab,launches", [
+    (32, 6, 128256, [(0, 2), (2, 4)]),  # fp32 K = 6 from 200 MB (213 MB)
+    (32, 4, 128256, [(0, 2), (2, 2)]),  # fp32, V > 65536, B < 48, from 100 MB (148 MB), K <= 7
+    (16, 8, 151936, [(0, 3), (3, 5)]),  # the same range with K >= 8 (165 MB)
+    (32, 7, 65536, [(0, 2), (2, 5)]),  # V <= 65536 (the small-vocabulary statistics plan), K = 7 (126 MB)
 ])
-def test_auto_stage_plans_gpu_fp32(batch, num_drafts, vocab, plan) -> None:
+def test_auto_stage_plans_gpu_fp32(batch, num_drafts, vocab, launches) -> None:
     """The plans the automatic rule picks for fp32 logits, on shapes it covers: sampled rows with ragged counts and
     -1 drafts, and a batch with greedy rows, equal the reference, twice each."""
-    from specdec.kernels.rejection_sampling import _stage_plan
-
-    assert _stage_plan(num_drafts + 1, batch, False, None, vocab, 4) == plan
+    assert statistics_launches(plan_launch(batch, num_drafts, vocab, torch.float32, DEVICE), num_drafts) == launches
     target, draft, drafts, seeds, offsets = make_case(batch, num_drafts, vocab, torch.float32, seed=61, noise=0.4)
     drafts[0, num_drafts - 2:] = -1
     counts = torch.full((batch,), num_drafts, dtype=torch.int64, device=DEVICE)
@@ -929,8 +921,8 @@ def test_auto_stage_plans_gpu_fp32(batch, num_drafts, vocab, plan) -> None:
     greedy_mask = torch.arange(batch, device=DEVICE) % 3 == 1
     for temperature, mask in ((1.0, None), (0.8, greedy_mask)):
         for _ in range(2):
-            ref = assert_matches_reference(target, draft, drafts, seeds, offsets, temperature, strategies=("split",),
-                                           greedy_mask=mask, num_draft_tokens=counts)
+            ref = assert_matches_reference(target, draft, drafts, seeds, offsets, temperature, greedy_mask=mask,
+                                           num_draft_tokens=counts)
         assert 0 < int(ref[1].sum()) < batch * num_drafts  # both accepts and rejections occur
 
 
@@ -951,5 +943,5 @@ def test_stage_plans_gpu_several_vocabulary_splits(batch, dtype):
                                          num_draft_tokens=counts)
         for stages in ((), (2,), (3,), (1, 2, 3, 4, 5, 6, 7, 8)):
             got = rejection_sample_triton(target, draft, drafts, seeds, offsets, temperature, greedy_mask=mask,
-                                          num_draft_tokens=counts, tune={"stages": stages})
+                                          num_draft_tokens=counts, plan=plan_for(target, stages=stages))
             assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (temperature, stages)
