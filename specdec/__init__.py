@@ -13,8 +13,8 @@ from specdec.divergences import (
     fused_linear_divergence_loss,
 )
 from specdec.fairness import FairnessReport, TaskData, TaskFairness, evaluate, unfairness
-from specdec.finetune import CheckpointError, FinetuneResult, finetune_drafter
-from specdec.generate import GenerateOutput, SpecDecodeStats, generate
+from specdec.finetune import CheckpointError, FinetuneConfig, FinetuneResult, finetune_drafter
+from specdec.generate import GenerateOutput, SpecDecodeStats, clear_static_caches, generate
 from specdec.losses import scdf_loss, scdf_weights
 from specdec.metrics import accepted_count_distribution, expected_tokens_per_call, speedup
 from specdec.sampling import RejectionSampleOutput, filter_logits, rejection_sample
@@ -24,6 +24,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
     "FairnessReport",
+    "FinetuneConfig",
     "FinetuneResult",
     "TaskData",
     "TaskFairness",
@@ -45,6 +46,7 @@ __all__ = [
     "SpecDecodeStats",
     "__version__",
     "accepted_count_distribution",
+    "clear_static_caches",
     "expected_tokens_per_call",
     "filter_logits",
     "generate",

@@ -53,6 +53,11 @@ _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
 
 
+def _draft_tokens_or_auto(text: str) -> int | str:
+    """K >= 0 (0 = plain decoding) or "auto" for ``specdec generate``."""
+    return "auto" if text == "auto" else _non_negative_int(text)
+
+
 def _non_negative_float(text: str) -> float:
     try:
         value = float(text)
@@ -110,10 +115,20 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                        help="weights dtype (default: auto = float32 on CPU, the checkpoint's dtype on GPU)")
 
 
-def _add_decoding_options(parser: argparse.ArgumentParser, *, temperature: float) -> None:
+def _add_decoding_options(parser: argparse.ArgumentParser, *, temperature: float, generating: bool = False) -> None:
     group = parser.add_argument_group("speculative decoding")
-    group.add_argument("-k", "--num-draft-tokens", type=_positive_int, default=4, metavar="K",
-                       help="drafts per verifier call (default: 4)")
+    if generating:
+        group.add_argument("-k", "--num-draft-tokens", type=_draft_tokens_or_auto, default=4, metavar="K",
+                           help="drafts per verifier call; 0 = plain decoding, auto = chosen per round from the "
+                                "measured acceptance and round times (default: 4)")
+        group.add_argument("--no-static", dest="static", action="store_false", default=None,
+                           help="use the eager path (dynamic caches) instead of the static path on CUDA")
+        group.add_argument("--compile", action="store_true",
+                           help="fuse each model's forward with torch.compile on the static path (tens of seconds "
+                                "once, faster steps after)")
+    else:
+        group.add_argument("-k", "--num-draft-tokens", type=_positive_int, default=4, metavar="K",
+                           help="drafts per verifier call (default: 4)")
     group.add_argument("--temperature", type=_temperature, default=temperature,
                        help=f"sampling temperature, 0 = greedy (default: {temperature})")
     group.add_argument("--max-new-tokens", type=_positive_int, default=None,
@@ -286,7 +301,7 @@ def command_generate(args: argparse.Namespace) -> int:
             out = generate(verifier, drafter, input_ids, attention_mask, max_new_tokens=args.max_new_tokens,
                            num_draft_tokens=args.num_draft_tokens, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, eos_token_id=eos, seed=derive_seed(args.seed, start), backend=args.backend,
-                           pad_token_id=pad, vocab_size=vocab_size)
+                           pad_token_id=pad, vocab_size=vocab_size, static=args.static, compile=args.compile)
         stats = out.stats
         width = input_ids.shape[1]
         for row, prompt in enumerate(chunk):
@@ -452,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     source = generate.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     source.add_argument("--prompts-file", type=_existing_file, help="a file of prompts")
-    _add_decoding_options(generate, temperature=0.0)
+    _add_decoding_options(generate, temperature=0.0, generating=True)
     generate.set_defaults(max_new_tokens=64)
     generate.add_argument("--top-k", type=_non_negative_int, default=0, help="keep the k likeliest tokens (0 = off)")
     generate.add_argument("--top-p", type=_probability, default=1.0, help="nucleus sampling mass in (0, 1]")

@@ -322,6 +322,12 @@ def generate(
     return GenerateOutput(sequences=sequences, stats=stats)
 
 
+def clear_static_caches() -> None:
+    """Frees what the static path keeps between calls: per verifier, up to two engines of preallocated KV caches and
+    captured CUDA graphs (one per batch size and cache-size bucket), so their GPU memory can be released."""
+    clear_engines()
+
+
 class _CaptureError(RuntimeError):
     """The static path could not set up its rounds for this model pair (the message is the one-line reason)."""
 

@@ -76,10 +76,11 @@ def test_python_dash_m_and_no_traceback(tmp_path):
 
 
 # -------------------------------------------------------------------------------------------------------- generate
-def test_generate_prompts_greedy_matches_the_verifier(capsys, pair_dirs):
+@pytest.mark.parametrize("draft_options", [["-k", "2"], ["-k", "0"], ["-k", "auto", "--no-static"]])
+def test_generate_prompts_greedy_matches_the_verifier(capsys, pair_dirs, draft_options):
     verifier_dir, drafter_dir = pair_dirs
     code, out, err = run_cli(capsys, "generate", "--verifier", verifier_dir, "--drafter", drafter_dir, "--prompt",
-                             "count 3:", "--prompt", "copy abc|", "-k", "2", "--max-new-tokens", "6", "--json")
+                             "count 3:", "--prompt", "copy abc|", *draft_options, "--max-new-tokens", "6", "--json")
     assert code == 0, err
     records = [json.loads(line) for line in out.splitlines()]
     assert [r["prompt"] for r in records] == ["count 3:", "copy abc|"]
@@ -110,7 +111,8 @@ def test_generate_prompts_file_and_sampling_options(capsys, pair_dirs, tmp_path)
 @pytest.mark.parametrize("options, message", [
     (["--top-p", "1.5"], "--top-p"),
     (["--temperature", "-1"], "--temperature"),
-    (["-k", "0"], "-k/--num-draft-tokens"),
+    (["-k", "-1"], "-k/--num-draft-tokens"),
+    (["-k", "many"], "-k/--num-draft-tokens"),
     (["--frobnicate"], "unrecognized arguments"),
     (["--dtype", "float8"], "--dtype"),
     (["--temperature", "1e-7"], "--temperature"),

@@ -1,0 +1,71 @@
+"""Where a round of the static ``generate`` path goes, against the cost model S(alpha, K, c) assumes.
+
+S assumes a round of K drafts costs ``K c + 1`` single-token verifier steps. This times, from CUDA-graph replays on
+the static path, the single-token verifier and drafter steps, the verifier's (K + 1)-token step, the drafter's
+two-token first step and whole rounds (K = 0 and K), so the difference splits into: the wider verifier step, the
+wider first drafter step, and the rest of the round (sampling, acceptance, bookkeeping). It also runs one ``generate``
+call per batch and reports the rounds it took against the rounds its average row needed (a batch runs until its
+slowest row is done).
+
+    python benchmarks/tools/generate_round_breakdown.py --model llama-1b --batches 1,8,32 --k 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench_generate import SHAPES, DeepScale, build_pair, calibrate  # noqa: E402
+
+import specdec  # noqa: E402
+from specdec._fast_decode import Sampling, _median_seconds, clear_engines, get_engine  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=list(SHAPES), default="llama-1b")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--alpha", type=float, default=0.75, help="target acceptance of the generate calls")
+    parser.add_argument("--compile", action="store_true", help="time the torch.compile'd steps")
+    args = parser.parse_args()
+    verifier, drafter = build_pair(args.model, 1)
+    scale = DeepScale(verifier, 1)
+    vocab, k, cuda = verifier.config.vocab_size, args.k, torch.device("cuda")
+    greedy = Sampling(greedy=True, top_k=0, top_p=1.0)
+    print("model,batch,K,t_verify_1_ms,t_verify_K+1_ms,t_draft_1_ms,t_draft_2_ms,round_0_ms,round_K_ms,"
+          "model_round_ms,wider_verify_ms,wider_first_draft_ms,rest_ms,rounds,rounds_mean_row")
+    with torch.no_grad():
+        for batch in [int(b) for b in args.batches.split(",")]:
+            engine, _ = get_engine(verifier, drafter, batch, 512, vocab, k, 1, cuda, "auto", True, args.compile)
+            times = {}
+            for name, model, width in (("v1", engine.verifier, 1), ("vk", engine.verifier, k + 1),
+                                       ("d1", engine.drafter, 1), ("d2", engine.drafter, 2)):
+                ids = torch.zeros((batch, width), dtype=torch.int64, device=cuda)
+                slots = 100 + torch.arange(width, device=cuda).expand(batch, width)
+                step = engine._capture(lambda model=model, ids=ids, slots=slots, width=width:
+                                       model.forward(ids, slots, width))
+                times[name] = _median_seconds(step, cuda, 30) * 1e3
+            round0 = engine.round_seconds(0, greedy, 30) * 1e3
+            round_k = engine.round_seconds(k, greedy, 30) * 1e3
+            modelled = (k * times["d1"] / times["v1"] + 1) * times["v1"]
+            rest = round_k - times["vk"] - times["d2"] - (k - 1) * times["d1"]
+            prompts = torch.randint(100, vocab, (batch, 32), generator=torch.Generator().manual_seed(0)).cuda()
+            calibrate(scale, verifier, drafter, prompts, args.alpha, 128)
+            stats = specdec.generate(verifier, drafter, prompts, max_new_tokens=128, num_draft_tokens=k,
+                                     pad_token_id=0, compile=args.compile).stats
+            rounds = len(stats.draft_lengths)
+            mean_row = float(stats.verifier_calls.double().mean()) - 1  # (the prompt's call samples token 1)
+            print(f"{args.model},{batch},{k},{times['v1']:.3f},{times['vk']:.3f},{times['d1']:.3f},{times['d2']:.3f},"
+                  f"{round0:.3f},{round_k:.3f},{modelled:.3f},{times['vk'] - times['v1']:.3f},"
+                  f"{times['d2'] - times['d1']:.3f},{rest:.3f},{rounds},{mean_row:.1f}", flush=True)
+            clear_engines()
+
+
+if __name__ == "__main__":
+    main()
