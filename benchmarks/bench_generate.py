@@ -202,25 +202,29 @@ def run_case(args, env: dict, verifier, drafter, scale: DeepScale | None, prompt
 
     last_stats = [None]
 
+    def wanted(provider):
+        return args.providers is None or provider in args.providers
+
     row("hf_eager", 0, first, seconds, reference)
-    if not args.skip_hf_static:
+    if wanted("hf_static"):
         first, seconds, out = timed(hf(cache_implementation="static"), args.repeats)
         row("hf_static", 0, first, seconds, out)
     first, plain_s, out = timed(sd(num_draft_tokens=0), args.repeats)
     row("specdec_plain", 0, first, plain_s, tokens_of(out))
-    first, eager_plain_s, out = timed(sd(num_draft_tokens=0, static=False), 1)
-    row("specdec_eager", 0, first, eager_plain_s, tokens_of(out))
+    if wanted("specdec_eager"):
+        first, eager_plain_s, out = timed(sd(num_draft_tokens=0, static=False), 1)
+        row("specdec_eager", 0, first, eager_plain_s, tokens_of(out))
+        c_eager = step_cost_ratio(verifier, drafter, batch, vocab, False)
     c_static = step_cost_ratio(verifier, drafter, batch, vocab, True)
-    c_eager = step_cost_ratio(verifier, drafter, batch, vocab, False)
-    for k in args.ks:
+    for k in args.ks if wanted("specdec_static") else []:
         first, seconds, out = timed(sd(num_draft_tokens=k), args.repeats)
         row("specdec_static", k, first, seconds, tokens_of(out), alpha_of(out), c_static,
             plain_s / seconds)
-        if k == args.eager_k:
+        if k == args.eager_k and wanted("specdec_eager"):
             first, seconds, out = timed(sd(num_draft_tokens=k, static=False), 1)
             row("specdec_eager", k, first, seconds, tokens_of(out), alpha_of(out), c_eager,
                 eager_plain_s / seconds)
-        if batch == 1:
+        if batch == 1 and wanted("hf_assisted"):
             schedule = dict(num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
                             assistant_confidence_threshold=0.0)
             for key, value in schedule.items():
@@ -235,7 +239,7 @@ def run_case(args, env: dict, verifier, drafter, scale: DeepScale | None, prompt
         first, plain_s, out = timed(sd(num_draft_tokens=0, compile=True), args.repeats)
         row("specdec_plain_compiled", 0, first, plain_s, tokens_of(out))
         c_compiled = step_cost_ratio(verifier, drafter, batch, vocab, True, compiled=True)
-        for k in args.compiled_ks:
+        for k in args.compiled_ks if wanted("specdec_compiled") else []:
             first, seconds, out = timed(sd(num_draft_tokens=k, compile=True), args.repeats)
             row("specdec_compiled", k, first, seconds, tokens_of(out), alpha_of(out), c_compiled,
                 plain_s / seconds)
@@ -309,7 +313,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128, help="new tokens per row (default: 128)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per fast provider (default: 3)")
     parser.add_argument("--eager-k", type=int, default=4, help="K of the specdec_eager rows (default: 4)")
-    parser.add_argument("--skip-hf-static", action="store_true", help="leave out hf_static (its compilation)")
+    parser.add_argument("--providers", default=None,
+                        help="comma-separated providers to run among hf_static, hf_assisted, specdec_eager, "
+                             "specdec_static, specdec_compiled (default: all; hf_eager, specdec_plain and the "
+                             "auto rows always run)")
     parser.add_argument("--no-compiled", dest="compiled", action="store_false",
                         help="leave out the specdec *_compiled providers (their compilation)")
     parser.add_argument("--compiled-ks", default="4", help="K values of the specdec_compiled rows (default: 4)")
@@ -319,6 +326,7 @@ def main() -> None:
     args.ks = [int(k) for k in args.ks.split(",")]
     args.alphas = [float(a) for a in args.alphas.split(",")]
     args.compiled_ks = [int(k) for k in args.compiled_ks.split(",")]
+    args.providers = None if args.providers is None else set(args.providers.split(","))
     if args.model == "demo" and not args.demo_pair:
         parser.error("--model demo needs --demo-pair DIR")
     import transformers
