@@ -1,12 +1,19 @@
-"""Shared GPU benchmark helpers: CUDA-graph timing over rotated inputs, copy bandwidth, environment facts."""
+"""Shared benchmark helpers: CUDA-graph timing over rotated inputs, copy bandwidth, versions, the result CSVs."""
 
 from __future__ import annotations
 
 import csv
+import datetime
+import os
 import statistics
-from collections.abc import Callable
+import subprocess
+from collections.abc import Callable, Iterable
 
 import torch
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# columns every result row starts with; each op adds its shape columns, then ``provider`` and its timings
+ENV_FIELDS = ["date", "gpu", "torch", "triton", "provider_version", "dtype"]
 
 
 def measure_copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
@@ -27,14 +34,10 @@ def measure_copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
     return 2 * nbytes / statistics.median(times) / 1e9
 
 
-def time_graph(fns: list[Callable[[], object]], replays: int = 15,
-               target_ms: float = 2.0) -> tuple[float, float, float]:
-    """(median, p20, p80) microseconds per call of ``fns`` (one callable per rotated input set).
-
-    The calls are captured in one CUDA graph (several passes over the rotation so a replay lasts ~``target_ms``),
-    so launch overhead on the host is excluded and inputs rotate through more memory than the L2 cache holds.
-    Each replay is timed with CUDA events; the quantiles are over replays, divided by the calls per replay.
-    """
+def capture_graph(fns: list[Callable[[], object]], target_ms: float = 2.0) -> tuple[torch.cuda.CUDAGraph, int]:
+    """One CUDA graph of several passes over ``fns`` (one callable per rotated input set), lasting about
+    ``target_ms``; returns it and the calls it makes. Under a graph the host's launch overhead is excluded, and the
+    rotation reads more memory than the L2 cache holds."""
     for fn in fns:  # warm-up: compilation, autotuning, allocator growth
         fn()
     torch.cuda.synchronize()
@@ -60,7 +63,14 @@ def time_graph(fns: list[Callable[[], object]], replays: int = 15,
     torch.cuda.current_stream().wait_stream(stream)
     graph.replay()
     torch.cuda.synchronize()
-    calls = passes * len(fns)
+    return graph, passes * len(fns)
+
+
+def time_graph(fns: list[Callable[[], object]], replays: int = 15) -> tuple[float, float, float]:
+    """(median, p20, p80) microseconds per call of ``fns``: CUDA-event times of ``replays`` replays of
+    :func:`capture_graph`'s graph, divided by the calls per replay."""
+    graph, calls = capture_graph(fns)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     samples = []
     for _ in range(replays):
         start.record()
@@ -69,12 +79,12 @@ def time_graph(fns: list[Callable[[], object]], replays: int = 15,
         end.synchronize()
         samples.append(start.elapsed_time(end) * 1e3 / calls)
     del graph
-    samples.sort()
-    return _quantile(samples, 0.5), _quantile(samples, 0.2), _quantile(samples, 0.8)
+    return quantiles(samples)
 
 
 def time_do_bench(fns: list[Callable[[], object]]) -> tuple[float, float, float]:
-    """Fallback when a provider cannot be captured: ``triton.testing.do_bench`` (host launch overhead included)."""
+    """(median, p20, p80) microseconds per call by ``triton.testing.do_bench`` (host launch overhead included),
+    for providers that cannot be captured in a CUDA graph."""
     import triton
 
     state = {"i": 0}
@@ -87,34 +97,55 @@ def time_do_bench(fns: list[Callable[[], object]]) -> tuple[float, float, float]
     return med * 1e3, p20 * 1e3, p80 * 1e3
 
 
-def _quantile(sorted_values: list[float], q: float) -> float:
-    pos = q * (len(sorted_values) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+def quantiles(samples: Iterable[float]) -> tuple[float, float, float]:
+    """(median, p20, p80) of ``samples``, linearly interpolated."""
+    values = sorted(samples)
+
+    def at(q: float) -> float:
+        pos = q * (len(values) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(values) - 1)
+        return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+    return at(0.5), at(0.2), at(0.8)
+
+
+def specdec_version() -> str:
+    """``specdec``'s version, with the source checkout's commit when there is one (``0.1.0+g1234abc``)."""
+    import specdec
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(RESULTS),
+                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return specdec.__version__
+    return f"{specdec.__version__}+g{commit}" if commit else specdec.__version__
 
 
 def environment() -> dict[str, str]:
-    """GPU name and library versions for the result rows."""
+    """Date, GPU name and library versions for the result rows."""
     import triton
 
-    try:
-        import flashinfer
-
-        fi_version = flashinfer.__version__
-    except Exception as exc:  # reported in the rows, not raised
-        fi_version = f"unavailable ({type(exc).__name__})"
-    return {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "flashinfer": fi_version,
-    }
+    return {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "triton": triton.__version__}
 
 
-def write_csv(path: str, rows: list[dict]) -> None:
-    """Result rows (dicts with the same keys, in order) as a CSV file with a header."""
+def upsert_rows(path: str, rows: list[dict], key: list[str], fields: list[str] | None = None) -> None:
+    """Write ``rows`` into the CSV at ``path``, replacing the rows they supersede: those with the same values in the
+    ``key`` columns (GPU, dtype, shape, provider). Columns: ``fields``, then any others of the file or the rows."""
+    old: list[dict] = []
+    fields = list(fields or [])
+    if os.path.exists(path) and os.path.getsize(path) > 0:
+        with open(path, newline="") as handle:
+            reader = csv.DictReader(handle)
+            fields += [name for name in reader.fieldnames or [] if name not in fields]
+            old = list(reader)
+    for row in rows:
+        fields += [name for name in row if name not in fields]
+    new_keys = {tuple(str(row.get(name, "")) for name in key) for row in rows}
+    kept = [row for row in old if tuple(str(row.get(name, "")) for name in key) not in new_keys]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(handle, fieldnames=fields, restval="")
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows(kept + rows)
