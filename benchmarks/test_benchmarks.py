@@ -42,7 +42,7 @@ ROUNDS = 15
 
 
 @pytest.fixture(scope="module")
-def session_facts():
+def bench_facts():
     """Environment, copy rate, L2 size and the rows written when the module ends."""
     facts = dict(env=environment(), copy_gbps=measure_copy_bandwidth(),
                  l2_bytes=getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20),
@@ -78,11 +78,11 @@ def _rounds_us(benchmark, calls: int) -> tuple[float, float, float] | None:
 
 @pytest.mark.parametrize("provider", br.PROVIDERS)
 @pytest.mark.parametrize("dtype,vocab,batch,num_drafts", REJECTION_SHAPES)
-def test_rejection_sampling(benchmark, session_facts, dtype, vocab, batch, num_drafts, provider):
+def test_rejection_sampling(benchmark, bench_facts, dtype, vocab, batch, num_drafts, provider):
     flashinfer, fi_version = _flashinfer() if provider.startswith("flashinfer") else (None, "")
     if provider.startswith("flashinfer") and flashinfer is None:
         pytest.skip(f"FlashInfer {fi_version}")
-    shape = _rejection_shape(batch, num_drafts, vocab, dtype, session_facts["l2_bytes"])
+    shape = _rejection_shape(batch, num_drafts, vocab, dtype, bench_facts["l2_bytes"])
     compiled = _compiled_reference() if provider == "torch_compile" else None
     graph, calls = capture_graph(shape.fns(provider, flashinfer, compiled))
 
@@ -95,8 +95,8 @@ def test_rejection_sampling(benchmark, session_facts, dtype, vocab, batch, num_d
     if timing is None:  # --benchmark-disable
         return
     version = br.provider_versions(fi_version)[provider]
-    row = shape.row(provider, version, timing, "pytest_benchmark", session_facts["env"], session_facts["copy_gbps"])
-    session_facts["rejection"].append(row)
+    row = shape.row(provider, version, timing, "pytest_benchmark", bench_facts["env"], bench_facts["copy_gbps"])
+    bench_facts["rejection"].append(row)
     assert provider != "specdec" or row["match_ref"] == "True"  # the timed calls give the reference's tokens
 
 
@@ -118,7 +118,7 @@ def _compiled_divergence():
 
 @pytest.mark.parametrize("provider", ["specdec", "specdec_row", "specdec_checked", "eager", "compile", "liger"])
 @pytest.mark.parametrize("op,n,vocab", DIVERGENCE_SHAPES)
-def test_divergence(benchmark, session_facts, op, n, vocab, provider):
+def test_divergence(benchmark, bench_facts, op, n, vocab, provider):
     calls, drop_grads = _divergence_cases(n, vocab)
     found = [fn for case_op, case_provider, fn in calls if (case_op, case_provider) == (op, provider)]
     if not found:
@@ -135,6 +135,6 @@ def test_divergence(benchmark, session_facts, op, n, vocab, provider):
     timing = _rounds_us(benchmark, 1)
     if timing is not None:
         versions = bd.provider_versions(_liger()[1])
-        session_facts["divergence"].append(bd.row(session_facts["env"], versions, op, provider, n, vocab, None,
+        bench_facts["divergence"].append(bd.row(bench_facts["env"], versions, op, provider, n, vocab, None,
                                                   tuple(t / 1e3 for t in timing), "pytest_benchmark", mem,
-                                                  session_facts["copy_gbps"]))
+                                                  bench_facts["copy_gbps"]))

@@ -129,8 +129,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _load_piece(addr2, IS_BF16: gl.constexpr):
         """This lane's 8 16-bit logits of one piece as float32 ([R, K]; ``addr2``: the piece's address, broadcast
-        over K): one ``ld.shared.v4`` and one integer op per logit for bf16 (its float32 is the 16 bits shifted up),
-        a ``cvt`` per logit for fp16."""
+        over K): one 16-byte shared-memory load, then one integer op per logit for bf16 (its float32 is the 16 bits
+        shifted up) or a ``cvt`` per logit for fp16."""
         if IS_BF16:
             asm: gl.constexpr = (
                 "{\n\t.reg .b32 w<4>;\n\tld.shared.v4.b32 {w0, w1, w2, w3}, [$8];\n\t"
@@ -258,25 +258,25 @@ if HAVE_GLUON:
     # earliest, after every CTA has read it.
 
     @gluon.jit
-    def _push(slot, target, live, v0, v1, v2, v3, v4, v5):
-        """Store ``(v0 .. v3)`` at byte ``slot`` and ``(v4, v5)`` at ``slot + 16`` of CTA ``target``'s shared memory
+    def _push(slot, target, live, a0, a1, a2, a3, a4, a5):
+        """Store ``(a0 .. a3)`` at byte ``slot`` and ``(a4, a5)`` at ``slot + 16`` of CTA ``target``'s shared memory
         (all [R]; the lanes where ``live`` is nonzero store)."""
         gl.inline_asm_elementwise(
             "{\n\t.reg .pred p;\n\t.reg .b32 ra;\n\tsetp.ne.s32 p, $3, 0;\n\t"
             "mapa.shared::cluster.u32 ra, $1, $2;\n\t"
             "@p st.shared::cluster.v4.f32 [ra], {$4, $5, $6, $7};\n\t"
             "@p st.shared::cluster.v2.f32 [ra+16], {$8, $9};\n\tmov.u32 $0, 0;\n\t}",
-            "=r,r,r,r,f,f,f,f,f,f", [slot, target, live, v0, v1, v2, v3, v4, v5], dtype=gl.int32, is_pure=False,
+            "=r,r,r,r,f,f,f,f,f,f", [slot, target, live, a0, a1, a2, a3, a4, a5], dtype=gl.int32, is_pure=False,
             pack=1)
 
     @gluon.jit
-    def _push2(slot, target, live, v0, v1):
-        """Store ``(v0, v1)`` at byte ``slot`` of CTA ``target``'s shared memory (where ``live`` is nonzero)."""
+    def _push2(slot, target, live, a0, a1):
+        """Store ``(a0, a1)`` at byte ``slot`` of CTA ``target``'s shared memory (where ``live`` is nonzero)."""
         gl.inline_asm_elementwise(
             "{\n\t.reg .pred p;\n\t.reg .b32 ra;\n\tsetp.ne.s32 p, $3, 0;\n\t"
             "mapa.shared::cluster.u32 ra, $1, $2;\n\t"
             "@p st.shared::cluster.v2.f32 [ra], {$4, $5};\n\tmov.u32 $0, 0;\n\t}",
-            "=r,r,r,r,f,f", [slot, target, live, v0, v1], dtype=gl.int32, is_pure=False, pack=1)
+            "=r,r,r,r,f,f", [slot, target, live, a0, a1], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _read4(addr):

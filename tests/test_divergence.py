@@ -73,9 +73,9 @@ def test_support_mismatch_gives_inf_never_nan() -> None:
     assert torch.isfinite(ce[1:]).all() and torch.isfinite(kl[1:]).all()
     assert torch.isfinite(tv).all() and torch.isfinite(alpha).all()
     # disjoint supports: alpha = 0, TV = 1
-    v2 = torch.tensor([[0.0, 1.0, NEG_INF, NEG_INF]], dtype=torch.float64)
-    d2 = torch.tensor([[NEG_INF, NEG_INF, 0.5, 0.0]], dtype=torch.float64)
-    ce2, kl2, tv2, alpha2, _ = divergence_reference(v2, d2, 1.0)
+    v_disjoint = torch.tensor([[0.0, 1.0, NEG_INF, NEG_INF]], dtype=torch.float64)
+    d_disjoint = torch.tensor([[NEG_INF, NEG_INF, 0.5, 0.0]], dtype=torch.float64)
+    ce2, kl2, tv2, alpha2, _ = divergence_reference(v_disjoint, d_disjoint, 1.0)
     assert math.isinf(ce2[0]) and math.isinf(kl2[0]) and float(tv2[0]) == 1.0 and float(alpha2[0]) == 0.0
 
 
