@@ -256,8 +256,23 @@ class DivergencePlan:
 
 def divergence_plan(n_rows: int, vocab: int, dtype: torch.dtype, device: torch.device | DeviceFacts, *,
                     loss: bool) -> DivergencePlan:
-    """The plan for ``N = n_rows`` rows of ``V = vocab`` logits of ``dtype`` on ``device`` (or the
-    :class:`~specdec.kernels._device.DeviceFacts` of a GPU); ``loss``: the loss pass (gradient, no TV)."""
+    """The plan of one call.
+
+    Parameters
+    ----------
+    n_rows, vocab : int
+        ``N`` rows of ``V`` logits.
+    dtype : torch.dtype
+        The verifier logits' dtype.
+    device : torch.device or DeviceFacts
+        Where the call runs; :class:`~specdec.kernels._device.DeviceFacts` asks what a given GPU would get.
+    loss : bool
+        The loss pass (H(p, q) and its gradient, no TV) rather than the forward.
+
+    Returns
+    -------
+    DivergencePlan
+    """
     facts = device_facts(device)
     # clusters read each logit once; measured on Hopper for 16-bit logits from V = 32000
     cluster = (not facts.interpreter and facts.major == 9 and dtype in (torch.bfloat16, torch.float16)

@@ -145,10 +145,26 @@ def logit_bytes(batch: int, num_drafts: int, vocab: int, element_size: int) -> i
 
 def plan_launch(batch: int, num_drafts: int, vocab: int, dtype: torch.dtype, device: torch.device | DeviceFacts, *,
                 greedy_rows: bool = False, scores: bool = False) -> LaunchPlan:
-    """The launch plan for ``B = batch`` rows of ``K = num_drafts`` drafts over ``V = vocab`` ids of ``dtype``
-    target logits on ``device`` (a ``torch.device``, or :class:`~specdec.kernels._device.DeviceFacts` to ask what a
-    GPU would get). ``greedy_rows``: the batch may hold greedy rows (a greedy mask or T = 0); ``scores``: the call
-    computes ``log p(draft)`` and alpha."""
+    """The launch plan of one call.
+
+    Parameters
+    ----------
+    batch, num_drafts, vocab : int
+        ``B`` rows, ``K`` draft positions, ``V`` vocabulary ids.
+    dtype : torch.dtype
+        The target logits' dtype (fp32, bf16 or fp16).
+    device : torch.device or DeviceFacts
+        Where the call runs; :class:`~specdec.kernels._device.DeviceFacts` asks what a given GPU would get.
+    greedy_rows : bool
+        The batch may hold greedy rows (a greedy mask, or ``T = 0``).
+    scores : bool
+        The call computes ``log p(draft)`` and alpha.
+
+    Returns
+    -------
+    LaunchPlan
+        Cached per arguments.
+    """
     return _plan(batch, num_drafts, vocab, torch.tensor([], dtype=dtype).element_size(), device_facts(device),
                  greedy_rows, scores)
 
