@@ -165,7 +165,7 @@ def plan_launch(batch: int, num_drafts: int, vocab: int, dtype: torch.dtype, dev
     LaunchPlan
         Cached per arguments.
     """
-    return _plan(batch, num_drafts, vocab, torch.tensor([], dtype=dtype).element_size(), device_facts(device),
+    return _plan(batch, num_drafts, vocab, dtype.itemsize, device_facts(device),
                  greedy_rows, scores)
 
 
