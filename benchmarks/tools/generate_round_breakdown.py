@@ -44,8 +44,8 @@ def main() -> None:
         for batch in [int(b) for b in args.batches.split(",")]:
             engine, _ = get_engine(verifier, drafter, batch, 512, vocab, k, 1, cuda, "auto", True, args.compile)
             times = {}
-            for name, model, width in (("v1", engine.verifier, 1), ("vk", engine.verifier, k + 1),
-                                       ("d1", engine.drafter, 1), ("d2", engine.drafter, 2)):
+            for name, model, width in (("verify_1", engine.verifier, 1), ("verify_k", engine.verifier, k + 1),
+                                       ("draft_1", engine.drafter, 1), ("draft_2", engine.drafter, 2)):
                 ids = torch.zeros((batch, width), dtype=torch.int64, device=cuda)
                 slots = 100 + torch.arange(width, device=cuda).expand(batch, width)
                 step = engine._capture(lambda model=model, ids=ids, slots=slots, width=width:
@@ -53,17 +53,17 @@ def main() -> None:
                 times[name] = _median_seconds(step, cuda, 30) * 1e3
             round0 = engine.round_seconds(0, greedy, 30) * 1e3
             round_k = engine.round_seconds(k, greedy, 30) * 1e3
-            modelled = (k * times["d1"] / times["v1"] + 1) * times["v1"]
-            rest = round_k - times["vk"] - times["d2"] - (k - 1) * times["d1"]
+            modelled = (k * times["draft_1"] / times["verify_1"] + 1) * times["verify_1"]
+            rest = round_k - times["verify_k"] - times["draft_2"] - (k - 1) * times["draft_1"]
             prompts = torch.randint(100, vocab, (batch, 32), generator=torch.Generator().manual_seed(0)).cuda()
             calibrate(scale, verifier, drafter, prompts, args.alpha, 128)
             stats = specdec.generate(verifier, drafter, prompts, max_new_tokens=128, num_draft_tokens=k,
                                      pad_token_id=0, compile=args.compile).stats
             rounds = len(stats.draft_lengths)
             mean_row = float(stats.verifier_calls.double().mean()) - 1  # (the prompt's call samples token 1)
-            print(f"{args.model},{batch},{k},{times['v1']:.3f},{times['vk']:.3f},{times['d1']:.3f},{times['d2']:.3f},"
-                  f"{round0:.3f},{round_k:.3f},{modelled:.3f},{times['vk'] - times['v1']:.3f},"
-                  f"{times['d2'] - times['d1']:.3f},{rest:.3f},{rounds},{mean_row:.1f}", flush=True)
+            print(f"{args.model},{batch},{k},{times['verify_1']:.3f},{times['verify_k']:.3f},{times['draft_1']:.3f},{times['draft_2']:.3f},"
+                  f"{round0:.3f},{round_k:.3f},{modelled:.3f},{times['verify_k'] - times['verify_1']:.3f},"
+                  f"{times['draft_2'] - times['draft_1']:.3f},{rest:.3f},{rounds},{mean_row:.1f}", flush=True)
             clear_engines()
 
 
