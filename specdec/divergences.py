@@ -52,25 +52,12 @@ class PerTaskDivergence:
     def _mean(self, total: torch.Tensor) -> torch.Tensor:
         return total / self.count.to(total.dtype)  # 0 / 0 = NaN for empty tasks
 
-    @property
-    def cross_entropy_mean(self) -> torch.Tensor:
-        """[num_tasks] float64 ``K_T = E_{s~T} H(p, q)``."""
-        return self._mean(self.cross_entropy_sum)
-
-    @property
-    def kl_mean(self) -> torch.Tensor:
-        """[num_tasks] float64 ``D_T = E_{s~T} KL(p || q)``."""
-        return self._mean(self.kl_sum)
-
-    @property
-    def tv_mean(self) -> torch.Tensor:
-        """[num_tasks] float64 ``TV_T = E_{s~T} TV(p, q)``."""
-        return self._mean(self.tv_sum)
-
-    @property
-    def alpha_mean(self) -> torch.Tensor:
-        """[num_tasks] float64 ``alpha_T = E_{s~T} alpha``."""
-        return self._mean(self.alpha_sum)
+    cross_entropy_mean = property(lambda self: self._mean(self.cross_entropy_sum),
+                                  doc="[num_tasks] float64 ``K_T = E_{s~T} H(p, q)``.")
+    kl_mean = property(lambda self: self._mean(self.kl_sum), doc="[num_tasks] float64 ``D_T = E_{s~T} KL(p || q)``.")
+    tv_mean = property(lambda self: self._mean(self.tv_sum), doc="[num_tasks] float64 ``TV_T = E_{s~T} TV(p, q)``.")
+    alpha_mean = property(lambda self: self._mean(self.alpha_sum),
+                          doc="[num_tasks] float64 ``alpha_T = E_{s~T} alpha``.")
 
     def mean(self) -> dict[str, torch.Tensor]:
         """The four per-task means as a dict keyed ``cross_entropy``, ``kl``, ``tv``, ``alpha``."""
@@ -299,17 +286,9 @@ def divergence_loss(
 
 
 def fused_linear_divergence_loss(
-    drafter_hidden: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    verifier_logits: torch.Tensor,
-    weights: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    reduction: str = "sum",
-    backend: str = "auto",
-    *,
-    mask: torch.Tensor | None = None,
-    chunk_size: int | None = None,
-    check_inputs: bool = True,
+    drafter_hidden: torch.Tensor, lm_head_weight: torch.Tensor, verifier_logits: torch.Tensor,
+    weights: torch.Tensor | None = None, temperature: float = 1.0, reduction: str = "sum", backend: str = "auto", *,
+    mask: torch.Tensor | None = None, chunk_size: int | None = None, check_inputs: bool = True,
 ) -> torch.Tensor:
     """:func:`divergence_loss` of ``drafter_logits = drafter_hidden @ lm_head_weight.T`` without storing them whole.
 
