@@ -18,6 +18,7 @@ from specdec.generate import GenerateOutput, SpecDecodeStats, clear_static_cache
 from specdec.losses import scdf_loss, scdf_weights
 from specdec.metrics import accepted_count_distribution, expected_tokens_per_call, speedup
 from specdec.sampling import RejectionSampleOutput, filter_logits, rejection_sample
+from specdec.self_drafter import layer_skip_drafter
 
 __version__ = "0.1.0"
 
@@ -50,6 +51,7 @@ __all__ = [
     "expected_tokens_per_call",
     "filter_logits",
     "generate",
+    "layer_skip_drafter",
     "rejection_sample",
     "speedup",
 ]
