@@ -93,6 +93,12 @@ def rejection_sample(
         )
     if not 1 <= vocab < 2**30:
         raise ValueError(f"target_logits must have a vocabulary dimension V in [1, 2**30), got V={vocab}")
+    if draft_logits.shape[1] == num_positions and tuple(draft_logits.shape) == (batch, num_positions, vocab):
+        raise ValueError(
+            f"target_logits must have K+1 positions ([B, K+1, V]: the K draft positions and the bonus position), but "
+            f"it has {num_positions}, as many as draft_logits {tuple(draft_logits.shape)}: add the verifier's logits "
+            "after the last draft"
+        )
     if tuple(draft_logits.shape) != (batch, num_drafts, vocab):
         raise ValueError(
             f"draft_logits must have shape [B, K, V] = {(batch, num_drafts, vocab)} to match target_logits "

@@ -246,3 +246,10 @@ def test_two_level_race_follows_the_weights_across_tiles(tiles):
     winners = reference.tiled_exponential_race(weights.expand(rows, -1), torch.log(weights).expand(rows, -1), seeds,
                                                torch.full((rows,), 5, dtype=torch.int64))
     assert_follows(torch.bincount(winners, minlength=vocab), probs, what=f"{tiles} tiles")
+
+
+def test_target_logits_without_the_bonus_position_are_named_as_the_problem():
+    target, draft = torch.zeros(2, 3, 10), torch.zeros(2, 3, 10)
+    drafts = torch.zeros(2, 3, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"target_logits must have K\+1 positions .*it has 3, as many as draft_logits"):
+        specdec.rejection_sample(target, draft, drafts)
