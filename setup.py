@@ -1,4 +1,5 @@
-"""Installs ``specdec``; the Triton kernels in ``kernels/`` are installed as ``specdec.kernels``."""
+"""Installs ``specdec``; the Triton kernels in ``kernels/`` are installed as ``specdec.kernels``, and the built-in
+evaluation data in ``specdec/datasets/`` (with its license and source note) as package data."""
 
 from setuptools import setup
 
@@ -12,6 +13,9 @@ setup(
     python_requires=">=3.10",
     packages=["specdec", "specdec.kernels"],
     package_dir={"specdec": "specdec", "specdec.kernels": "kernels"},
+    package_data={"specdec": ["datasets/*/*.tsv", "datasets/*/LICENSE.txt", "datasets/*/README.md",
+                              "datasets/*/SHA256SUMS"]},
+    include_package_data=False,
     install_requires=[
         "torch>=2.4",
         "triton>=3.0",
@@ -23,7 +27,7 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        "test": ["pytest>=7", "ruff>=0.5"],
+        "test": ["pytest>=7", "ruff>=0.5", "setuptools>=64", "wheel"],  # setuptools, wheel: the install test
         "bench": ["pytest-benchmark>=4"],
     },
     entry_points={"console_scripts": ["specdec=specdec.cli:main"]},

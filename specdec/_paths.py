@@ -22,3 +22,7 @@ def is_inside(path: Path, folder: Path) -> bool:
     except ValueError:
         return False
     return True
+
+
+BUILTIN_DATA_DIR = PACKAGE_DIR / "datasets"
+"""The evaluation data shipped inside the package (one folder per data set, each with its license)."""

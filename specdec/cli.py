@@ -13,12 +13,14 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 PROGRAM = "specdec"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEFAULT_MAX_LENGTH = 512  # tokens per reference text in evaluate, unless the models have fewer positions
 
 
 class UsageError(Exception):
@@ -91,11 +93,39 @@ def _probability(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    value = _non_negative_float(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text}")
+    return value
+
+
 def _existing_path(text: str) -> Path:
     path = Path(text).expanduser()
     if not path.exists():
         raise argparse.ArgumentTypeError(f"no such file or folder: {text}")
     return path
+
+
+def _task_source(text: str) -> Path | str:
+    """argparse type of ``--tasks``: an existing file or folder, else the name of a built-in data set."""
+    from specdec.data import BUILTIN_DATASETS
+
+    path = Path(text).expanduser()
+    if path.exists():
+        return path
+    if text in BUILTIN_DATASETS:
+        return text
+    raise argparse.ArgumentTypeError(f"no such file or folder: {text} (built-in data sets: "
+                                     f"{', '.join(BUILTIN_DATASETS)})")
+
+
+def _name_list(text: str) -> list[str]:
+    """argparse type: comma-separated names, none empty."""
+    names = [name.strip() for name in text.split(",")]
+    if not text.strip() or any(not name for name in names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated task names such as en,de,bn, got {text!r}")
+    return names
 
 
 def _existing_file(text: str) -> Path:
@@ -113,9 +143,14 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
     group.add_argument("--dtype", default="auto", choices=DTYPES,
                        help="weights dtype (default: auto = float32 on CPU, the checkpoint's dtype on GPU)")
+    group.add_argument("--vocab-size", type=_positive_int, default=None, metavar="N",
+                       help="token ids the two models share; needed when their output layers differ in size and the "
+                            "drafter's folder has no tokenizer to compare with the verifier's (default: every id "
+                            "when the sizes agree, else the tokenizer's size when both models' tokenizers match)")
 
 
-def _add_decoding_options(parser: argparse.ArgumentParser, *, temperature: float, generating: bool = False) -> None:
+def _add_decoding_options(parser: argparse.ArgumentParser, *, temperature: float, max_new_tokens: int,
+                          generating: bool = False) -> None:
     group = parser.add_argument_group("speculative decoding")
     if generating:
         group.add_argument("-k", "--num-draft-tokens", type=_draft_tokens_or_auto, default=4, metavar="K",
@@ -131,8 +166,8 @@ def _add_decoding_options(parser: argparse.ArgumentParser, *, temperature: float
                            help="drafts per verifier call (default: 4)")
     group.add_argument("--temperature", type=_temperature, default=temperature,
                        help=f"sampling temperature, 0 = greedy (default: {temperature})")
-    group.add_argument("--max-new-tokens", type=_positive_int, default=None,
-                       help="tokens to generate per prompt")
+    group.add_argument("--max-new-tokens", type=_positive_int, default=max_new_tokens,
+                       help=f"tokens to generate per prompt (default: {max_new_tokens})")
     group.add_argument("--seed", type=_non_negative_int, default=0, help="random seed (default: 0)")
     group.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
                        help="kernel backend: auto = Triton on CUDA, torch reference elsewhere (default: auto)")
@@ -140,7 +175,8 @@ def _add_decoding_options(parser: argparse.ArgumentParser, *, temperature: float
 
 
 def _add_input_options(parser: argparse.ArgumentParser, what: str, *, progress: bool = True) -> None:
-    parser.add_argument("--no-special-tokens", action="store_true", help=f"do not add BOS etc. to {what}")
+    parser.add_argument("--no-special-tokens", action="store_true",
+                        help=f"do not add the tokenizer's special tokens (BOS etc.) to {what}")
     if progress:
         parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -222,21 +258,72 @@ def load_causal_lm(name: str, what: str, device: Any, dtype_name: str) -> Any:
     return model.to(device).eval()
 
 
-def _load_pair(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
+                   "vocab.txt")
+"""Files whose presence says a model folder (or a cached model id) comes with its own tokenizer."""
+
+
+def _has_tokenizer(name: str) -> bool:
+    """Whether the folder or cached model id ``name`` holds tokenizer files (nothing is downloaded)."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return any((path / file).is_file() for file in TOKENIZER_FILES)
+    if _looks_like_path(name):
+        return False
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return any(isinstance(try_to_load_from_cache(name, file), str) for file in TOKENIZER_FILES)
+    except Exception:  # not a valid id, no cache: nothing to compare
+        return False
+
+
+def _check_tokenizers(args: argparse.Namespace, tokenizer: Any) -> bool:
+    """CommandError when the verifier's or the drafter's own tokenizer (where its folder has one) differs from the
+    tokenizer in use; returns whether both models' tokenizers are known to match it."""
+    from specdec.compat import SpecdecWarning, tokenizer_difference
+
+    used = args.tokenizer or args.verifier
+    matched = {"verifier": args.tokenizer is None, "drafter": False}
+    for role, name in (("verifier", args.verifier), ("drafter", args.drafter)):
+        if matched[role] or not _has_tokenizer(name):
+            continue
+        try:
+            own = load_tokenizer(name)
+        except CommandError as error:
+            warnings.warn(f"the {role}'s tokenizer in {name} could not be loaded, so it was not compared with the "
+                          f"tokenizer in use ({used}): {error}", SpecdecWarning, stacklevel=2)
+            continue
+        difference = tokenizer_difference(tokenizer, own, f"the tokenizer in use ({used})",
+                                          f"the {role}'s own ({name})")
+        if difference is not None:
+            option = "--tokenizer" if role == "verifier" else "--drafter"
+            raise CommandError(f"{option}: the {role}'s tokenizer differs from the one in use: {difference}. "
+                               "Speculative decoding compares the two models token id by token id, so both must use "
+                               "one tokenizer: use a drafter trained with the verifier's tokenizer")
+        matched[role] = True
+    return matched["verifier"] and matched["drafter"]
+
+
+def _load_pair(args: argparse.Namespace) -> tuple[Any, Any, Any, int | None]:
+    """The verifier, the drafter, the tokenizer and the id range they share (None: every id), after checking that
+    the models' tokenizers match and that differing output sizes are accounted for."""
+    from specdec.compat import resolve_vocab_size
+
     for what, name in (("verifier", args.verifier), ("drafter", args.drafter), ("tokenizer", args.tokenizer)):
         if name is not None and _looks_like_path(name) and not Path(name).expanduser().exists():
             raise UsageError(f"argument --{what}: no such folder: {name}")
     device = _resolve_device(args.device)
     tokenizer = load_tokenizer(args.tokenizer or args.verifier)
+    same_tokenizer = _check_tokenizers(args, tokenizer)
     verifier = load_causal_lm(args.verifier, "verifier", device, args.dtype)
     drafter = load_causal_lm(args.drafter, "drafter", device, args.dtype)
-    return verifier, drafter, tokenizer
-
-
-def _shared_vocab_size(verifier: Any, drafter: Any, tokenizer: Any) -> int | None:
-    """None when both output layers have the same size, else the tokenizer's size (the shared id range)."""
-    sizes = {model.get_output_embeddings().weight.shape[0] for model in (verifier, drafter)}
-    return None if len(sizes) == 1 else len(tokenizer)
+    try:
+        vocab_size = resolve_vocab_size(verifier, drafter, args.vocab_size, tokenizer=tokenizer,
+                                        same_tokenizer=same_tokenizer, option="--vocab-size")
+    except ValueError as error:
+        raise UsageError(f"argument --vocab-size: {error}") from None
+    return verifier, drafter, tokenizer, vocab_size
 
 
 def _check_output_folder(path: Path, option: str) -> None:
@@ -248,13 +335,21 @@ def _check_output_folder(path: Path, option: str) -> None:
         raise UsageError(f"argument {option}: {problem}")
 
 
-def _load_tasks(path: Path, max_examples: int | None) -> dict[str, Any]:
+def _load_tasks(source: Path | str, max_examples: int | None, names: list[str] | None = None) -> dict[str, Any]:
+    """Tasks of a file, a folder or a built-in data set (``--tasks``), restricted to ``names`` (``--task-names``)."""
     from specdec.data import TaskFileError, load_tasks
 
     try:
-        return load_tasks(path, max_examples=max_examples)
+        tasks = load_tasks(source, max_examples=max_examples)
     except TaskFileError as error:
         raise CommandError(str(error)) from None
+    if names is None:
+        return tasks
+    unknown = [name for name in names if name not in tasks]
+    if unknown:
+        raise UsageError(f"argument --task-names: {source} has no task named {', '.join(map(repr, unknown))}; its "
+                         f"tasks are {', '.join(tasks)}")
+    return {name: tasks[name] for name in dict.fromkeys(names)}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -279,10 +374,9 @@ def command_generate(args: argparse.Namespace) -> int:
         prompts = [prompt.replace("\\n", "\n") for prompt in args.prompt]
         if any(not prompt for prompt in prompts):
             raise UsageError("argument --prompt: prompts must not be empty")
-    verifier, drafter, tokenizer = _load_pair(args)
+    verifier, drafter, tokenizer, vocab_size = _load_pair(args)
     eos = args.eos_token_id if args.eos_token_id is not None else tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
-    vocab_size = _shared_vocab_size(verifier, drafter, tokenizer)
     from specdec._models import model_vocab_size
 
     ids = vocab_size or min(model_vocab_size(verifier), model_vocab_size(drafter))
@@ -343,18 +437,24 @@ def _write_report(report: Any, output_dir: Path | None, title: str) -> list[Path
 
 def command_evaluate(args: argparse.Namespace) -> int:
     """Per-task fairness report of a drafter-verifier pair over task files."""
+    from specdec.compat import check_task_texts, pair_positions
     from specdec.fairness import evaluate
 
     if args.output_dir is not None:
         _check_output_folder(args.output_dir, "--output-dir")
-    tasks = _load_tasks(args.tasks, args.max_examples)
-    verifier, drafter, tokenizer = _load_pair(args)
+    tasks = _load_tasks(args.tasks, args.max_examples, args.task_names)
+    verifier, drafter, tokenizer, vocab_size = _load_pair(args)
+    positions = pair_positions(verifier, drafter)
+    max_length = args.max_length or min(DEFAULT_MAX_LENGTH, positions or DEFAULT_MAX_LENGTH)
+    # unknown tokens, texts cut at the positions, prompts with no room left: one warning per task and problem
+    check_task_texts(tasks, tokenizer, max_positions=positions, max_length=max_length,
+                     max_new_tokens=args.max_new_tokens, add_special_tokens=not args.no_special_tokens)
     report = evaluate(
         verifier, drafter, tasks, tokenizer=tokenizer, num_draft_tokens=args.num_draft_tokens,
-        temperature=args.temperature, max_new_tokens=args.max_new_tokens or 32, batch_size=args.batch_size,
+        temperature=args.temperature, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
         max_examples=args.max_examples, cost_ratio=args.cost_ratio, seed=args.seed, progress=not args.no_progress,
-        backend=args.backend, eos_token_id=tokenizer.eos_token_id, vocab_size=_shared_vocab_size(
-            verifier, drafter, tokenizer), add_special_tokens=not args.no_special_tokens,
+        backend=args.backend, max_length=max_length, eos_token_id=tokenizer.eos_token_id, vocab_size=vocab_size,
+        add_special_tokens=not args.no_special_tokens,
     )
     print(report.to_markdown())
     written = _write_report(report, args.output_dir, f"specdec fairness report: {args.tasks}")
@@ -365,35 +465,49 @@ def command_evaluate(args: argparse.Namespace) -> int:
 
 def command_finetune(args: argparse.Namespace) -> int:
     """Finetune the drafter with s-CDF or a baseline and save it (with the tokenizer) to ``--output``."""
+    from specdec.compat import pair_positions
     from specdec.finetune import FinetuneConfig, finetune_drafter
 
     config = FinetuneConfig(method=args.method, weight_basis=args.weight_basis, weight_floor=args.weight_floor,
                             steps=args.steps, batch_size_per_task=args.batch_size_per_task, seq_len=args.seq_len,
-                            lr=args.lr, eval_every=args.eval_every, checkpoint_dir=args.checkpoint_dir,
-                            resume=not args.no_resume, seed=args.seed)
-    tasks = _load_tasks(args.tasks, args.max_examples)
+                            lr=args.lr, eval_every=args.eval_every, eval_fraction=args.eval_fraction,
+                            eval_examples=args.eval_examples, split_seed=args.split_seed,
+                            checkpoint_dir=args.checkpoint_dir, resume=not args.no_resume, seed=args.seed)
+    tasks = _load_tasks(args.tasks, args.max_examples, args.task_names)
     texts = {name: list(task.texts or task.prompts) for name, task in tasks.items()}
     eval_texts = None
     if args.eval_tasks is not None:
         eval_texts = {name: list(task.texts or task.prompts)
-                      for name, task in _load_tasks(args.eval_tasks, args.max_examples).items()}
+                      for name, task in _load_tasks(args.eval_tasks, args.max_examples, args.task_names).items()}
     _check_output_folder(args.output, "--output")
     if args.output.exists() and any(args.output.iterdir()) and not args.overwrite:
         raise UsageError(f"argument --output: {args.output} exists and is not empty (pass --overwrite)")
     if args.checkpoint_dir is not None:
         _check_output_folder(args.checkpoint_dir, "--checkpoint-dir")
-    verifier, drafter, tokenizer = _load_pair(args)
+    verifier, drafter, tokenizer, vocab_size = _load_pair(args)
+    positions = pair_positions(verifier, drafter)
+    if positions is not None and args.seq_len > positions:
+        raise UsageError(f"argument --seq-len: {args.seq_len} is more than the models' {positions} positions "
+                         f"(max_position_embeddings): use --seq-len {positions} or less")
     result = finetune_drafter(
         drafter, verifier, texts, config=config, tokenizer=tokenizer, progress=not args.no_progress,
         eval_tasks=eval_texts, add_special_tokens=not args.no_special_tokens,
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
-        vocab_size=_shared_vocab_size(verifier, drafter, tokenizer),
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, vocab_size=vocab_size,
     )
     args.output.mkdir(parents=True, exist_ok=True)
     drafter.save_pretrained(args.output)
     tokenizer.save_pretrained(args.output)
     first, last = result.initial, result.final
     print(f"method {result.method}, weight basis {result.weight_basis}, {result.steps} steps")
+    if result.held_out is not None:
+        counts = sorted({len(indices) for indices in result.held_out.values()})
+        print(f"evaluated on {'-'.join(map(str, counts[::max(len(counts) - 1, 1)]))} held-out text(s) per task, "
+              f"not trained on (--eval-fraction {config.eval_fraction:g}, --split-seed {config.split_seed})")
+    elif eval_texts is not None:
+        print(f"evaluated on --eval-tasks {args.eval_tasks}")
+    else:
+        print("evaluated on training texts (--eval-fraction 0): the U and α figures measure fit, not held-out "
+              "performance")
     print("| step | U (basis) | U (CE) | U (KL) | mean α | worst α | worst task |\n|---|---|---|---|---|---|---|")
     for entry in result.history:
         print(f"| {entry['step']} | {entry['U']:.4g} | {entry['U_ce']:.4g} | {entry['U_kl']:.4g} | "
@@ -431,17 +545,20 @@ quick start (CPU, offline, a few minutes):
 examples:
   specdec generate --verifier ./big --drafter ./small --prompt "2+2=" --temperature 0
   specdec evaluate --verifier ./big --drafter ./small --tasks tasks.jsonl --output-dir report/
-  specdec evaluate --verifier ./big --drafter ./small --tasks data/mgsm/ --max-examples 50
+  specdec evaluate --verifier ./big --drafter ./small --tasks mgsm --task-names en,de,bn --max-examples 50
   specdec finetune --verifier ./big --drafter ./small --tasks tasks.jsonl --output ./small-scdf
   specdec bench --quick                  (a source checkout and a CUDA GPU; --cpu-smoke otherwise)
 
 exit codes: 0 success, 1 runtime error, 2 usage error (bad option or value, missing file)
 """
 
-_TASKS_HELP = ("task file: .jsonl/.json rows with 'prompt'/'question' and 'text'/'response'/'answer' fields (and "
-               "'task', else the file name), .tsv ('task<TAB>text' with that header, or 'question<TAB>answer' rows), "
-               ".txt (one text per line), or a folder with one file per language: <name>_<lang>.tsv/.json/.jsonl or "
-               "<name>.<lang>.txt, task = lang (MGSM, MSVAMP, mCoT outputs and NTREX-128 load as they come)")
+_TASKS_HELP = ("the built-in data set 'mgsm' (MGSM: 250 math word problems in 11 languages, tasks bn de en es fr ja "
+               "ru sw te th zh; shipped with specdec, CC BY 4.0), or a task file: .jsonl/.json rows with "
+               "'prompt'/'question' and 'text'/'response'/'answer' fields (and 'task', else the file name), .tsv "
+               "('task<TAB>text' with that header, or 'question<TAB>answer' rows), .txt (one text per line), or a "
+               "folder with one file per language: <name>_<lang>.tsv/.json/.jsonl or <name>.<lang>.txt, task = lang "
+               "as MGSM codes it (MGSM, MSVAMP, mCoT outputs and NTREX-128 folders load as they come)")
+_TASK_NAMES_HELP = "keep only these tasks, comma-separated, e.g. en,de,bn (default: every task)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -467,10 +584,11 @@ def build_parser() -> argparse.ArgumentParser:
     source = generate.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     source.add_argument("--prompts-file", type=_existing_file, help="a file of prompts")
-    _add_decoding_options(generate, temperature=0.0, generating=True)
-    generate.set_defaults(max_new_tokens=64)
-    generate.add_argument("--top-k", type=_non_negative_int, default=0, help="keep the k likeliest tokens (0 = off)")
-    generate.add_argument("--top-p", type=_probability, default=1.0, help="nucleus sampling mass in (0, 1]")
+    _add_decoding_options(generate, temperature=0.0, max_new_tokens=64, generating=True)
+    generate.add_argument("--top-k", type=_non_negative_int, default=0,
+                          help="keep the k likeliest tokens, 0 = off (default: 0)")
+    generate.add_argument("--top-p", type=_probability, default=1.0,
+                          help="nucleus sampling mass in (0, 1], 1 = off (default: 1.0)")
     generate.add_argument("--eos-token-id", type=_non_negative_int, default=None,
                           help="stop token (default: the tokenizer's)")
     _add_input_options(generate, "prompts", progress=False)
@@ -481,12 +599,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="per-task fairness report (acceptance, speed-up, cross-entropy, U)",
         description="Measure how unequally the drafter accelerates each task; writes markdown, JSON and a PNG.",
         epilog="examples:\n  specdec evaluate --verifier ./big --drafter ./small --tasks tasks.jsonl "
-               "--output-dir report/\n  specdec evaluate --verifier ./big --drafter ./small --tasks mgsm/ "
-               "--max-examples 32 --cost-ratio 0.1")
+               "--output-dir report/\n  specdec evaluate --verifier ./big --drafter ./small --tasks mgsm "
+               "--task-names en,de,bn --max-examples 32 --cost-ratio 0.1\n\n"
+               "Warnings name each task whose text the tokenizer turns into many unknown tokens, or whose texts are "
+               "cut at the models' positions.")
     _add_model_options(evaluate)
-    evaluate.add_argument("--tasks", type=_existing_path, required=True, help=_TASKS_HELP)
-    evaluate.add_argument("--max-examples", type=_positive_int, default=None, help="examples per task")
-    _add_decoding_options(evaluate, temperature=1.0)
+    evaluate.add_argument("--tasks", type=_task_source, required=True, help=_TASKS_HELP)
+    evaluate.add_argument("--task-names", type=_name_list, default=None, metavar="NAMES", help=_TASK_NAMES_HELP)
+    evaluate.add_argument("--max-examples", type=_positive_int, default=None,
+                          help="the first N examples of every task (default: all)")
+    evaluate.add_argument("--max-length", type=_positive_int, default=None,
+                          help=f"tokens per reference text for the teacher-forced metrics; longer texts are cut, "
+                               f"with a warning (default: {DEFAULT_MAX_LENGTH}, or the models' positions if fewer)")
+    _add_decoding_options(evaluate, temperature=1.0, max_new_tokens=32)
     evaluate.add_argument("--cost-ratio", type=_non_negative_float, default=None,
                           help="c = drafter time / verifier time per forward (default: measured)")
     evaluate.add_argument("--output-dir", type=Path, default=None,
@@ -501,24 +626,45 @@ def build_parser() -> argparse.ArgumentParser:
                "example:\n  specdec finetune --verifier ./big --drafter ./small --tasks tasks.jsonl --steps 200 "
                "--output ./small-scdf")
     _add_model_options(finetune)
-    finetune.add_argument("--tasks", type=_existing_path, required=True, help=_TASKS_HELP)
-    finetune.add_argument("--eval-tasks", type=_existing_path, default=None,
-                          help="held-out task file for the U evaluations (default: the first training texts)")
+    finetune.add_argument("--tasks", type=_task_source, required=True, help="training texts: " + _TASKS_HELP)
+    finetune.add_argument("--task-names", type=_name_list, default=None, metavar="NAMES",
+                          help=_TASK_NAMES_HELP + "; applies to --eval-tasks too")
+    finetune.add_argument("--eval-tasks", type=_task_source, default=None,
+                          help="texts for the U evaluations, in the formats of --tasks (default: hold out a seeded "
+                               "share of every task's --tasks texts, see --eval-fraction; they are not trained on)")
+    finetune.add_argument("--eval-fraction", type=_fraction, default=0.1,
+                          help="without --eval-tasks, the share of every task's texts held out for the evaluations "
+                               "(at most --eval-examples of them); 0 evaluates on training texts (default: 0.1)")
+    finetune.add_argument("--eval-examples", type=_positive_int, default=32,
+                          help="the most texts per task held out and evaluated (default: 32)")
+    finetune.add_argument("--split-seed", type=_non_negative_int, default=0,
+                          help="seed of the held-out split, apart from --seed so that training seeds share one "
+                               "evaluation set (default: 0)")
     finetune.add_argument("--output", type=Path, required=True, help="folder to save the finetuned drafter into")
     finetune.add_argument("--overwrite", action="store_true", help="allow a non-empty --output folder")
-    finetune.add_argument("--method", default="scdf", choices=("scdf", "exact_variance", "uniform_kd", "balanced"))
+    finetune.add_argument("--method", default="scdf", choices=("scdf", "exact_variance", "uniform_kd", "balanced"),
+                          help="training objective, see the methods below (default: scdf)")
     finetune.add_argument("--weight-basis", default="ce", choices=("ce", "kl", "tv"),
                           help="per-task value the weights are computed on (default: ce)")
-    finetune.add_argument("--weight-floor", type=_non_negative_float, default=0.0)
-    finetune.add_argument("--steps", type=_non_negative_int, default=200)
-    finetune.add_argument("--batch-size-per-task", type=_positive_int, default=8)
-    finetune.add_argument("--seq-len", type=_int_at_least(2), default=64)
-    finetune.add_argument("--lr", type=_positive_float, default=1e-3)
-    finetune.add_argument("--eval-every", type=_positive_int, default=50)
-    finetune.add_argument("--checkpoint-dir", type=Path, default=None, help="checkpoints for resuming")
-    finetune.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint")
-    finetune.add_argument("--max-examples", type=_positive_int, default=None, help="texts per task")
-    finetune.add_argument("--seed", type=_non_negative_int, default=0)
+    finetune.add_argument("--weight-floor", type=_non_negative_float, default=0.0,
+                          help="added to every s-CDF task weight, so the best task keeps some weight (default: 0.0)")
+    finetune.add_argument("--steps", type=_non_negative_int, default=200, help="optimizer steps (default: 200)")
+    finetune.add_argument("--batch-size-per-task", type=_positive_int, default=8,
+                          help="text windows per task in every step (default: 8)")
+    finetune.add_argument("--seq-len", type=_int_at_least(2), default=64,
+                          help="tokens per window; longer texts are cropped at a random offset, and it must not "
+                               "exceed the models' positions (default: 64)")
+    finetune.add_argument("--lr", type=_positive_float, default=1e-3, help="AdamW learning rate (default: 0.001)")
+    finetune.add_argument("--eval-every", type=_positive_int, default=50,
+                          help="steps between evaluations; one runs at the start and at the end too (default: 50)")
+    finetune.add_argument("--checkpoint-dir", type=Path, default=None,
+                          help="write a checkpoint here and resume from it (default: no checkpoints)")
+    finetune.add_argument("--no-resume", action="store_true",
+                          help="start afresh even if --checkpoint-dir holds a checkpoint")
+    finetune.add_argument("--max-examples", type=_positive_int, default=None,
+                          help="the first N texts of every task (default: all)")
+    finetune.add_argument("--seed", type=_non_negative_int, default=0,
+                          help="seed of the minibatch sampling (default: 0)")
     _add_input_options(finetune, "texts")
 
     from specdec.cli_bench import add_bench_parser
@@ -535,7 +681,7 @@ def build_parser() -> argparse.ArgumentParser:
                "source tree).")
     demo.add_argument("--output-dir", type=Path, default=None, help="report folder (default: ./specdec-demo-report)")
     demo.add_argument("--cache-dir", type=Path, default=None, help="where the trained pair is cached")
-    demo.add_argument("--seed", type=_non_negative_int, default=0)
+    demo.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the data and training (default: 0)")
     demo.add_argument("--baselines", action="store_true",
                       help="also finetune with uniform distillation, data balancing and exact-variance weights "
                            "(about a minute more)")
@@ -546,6 +692,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quick", action="store_true", help="tiny models and steps, for smoke tests only")
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
+
+
+def _show_specdec_warnings(prog: str) -> None:
+    """Inside ``warnings.catch_warnings()``: print every :class:`specdec.compat.SpecdecWarning` as one line on stderr,
+    ``<prog>: warning: <message>``, each time it is raised; other warnings as Python shows them."""
+    from specdec.compat import SpecdecWarning
+
+    warnings.simplefilter("always", SpecdecWarning)
+    show = warnings.showwarning
+
+    def show_warning(message: Any, category: type, filename: str, lineno: int, file: Any = None,
+                     line: str | None = None) -> None:
+        if issubclass(category, SpecdecWarning):
+            print(f"{prog}: warning: {message}", file=sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show_warning
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -570,7 +734,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.script_args = passthrough
     subparser_prog = f"{PROGRAM} {args.command}"
     try:
-        return int(args.handler(args) or 0)
+        with warnings.catch_warnings():
+            _show_specdec_warnings(subparser_prog)
+            return int(args.handler(args) or 0)
     except UsageError as error:
         print(f"{subparser_prog}: error: {error}", file=sys.stderr)
         return 2

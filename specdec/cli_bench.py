@@ -35,7 +35,8 @@ def add_bench_parser(commands: Any, existing_path: Callable[[str], Path]) -> arg
         epilog="examples:\n  specdec bench --quick\n  specdec bench divergence -- --sweep\n"
                "  specdec bench --cpu-smoke     (no GPU: time the torch references on small shapes)\n\n"
                "The benchmarks are not installed with the package: in a checkout, run\n  " + CHECKOUT_COMMAND)
-    bench.add_argument("which", nargs="?", default="all", choices=("all", *BENCHMARKS))
+    bench.add_argument("which", nargs="?", default="all", choices=("all", *BENCHMARKS),
+                       help="the benchmark to run (default: all)")
     bench.add_argument("--quick", action="store_true", help="pass --quick to the scripts (one shape each)")
     bench.add_argument("--cpu-smoke", action="store_true", help="a quick CPU run of the torch references instead")
     bench.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")

@@ -12,8 +12,13 @@ deliberately different structure so that a drafter can be good at some and poor 
 - ``grammar_cyrillic``: the same grammar transliterated letter by letter into Cyrillic (same content, other script)
 
 User task files (see :func:`load_tasks`): JSONL / JSON, TSV, plain text (one text per line), or a folder with one
-file per language, which covers the shared MGSM, MSVAMP, mCoT-output and NTREX-128 folders as they come; each loader
-returns ``dict[task name, TaskData]``.
+file per language, which covers the MGSM, MSVAMP, mCoT-output and NTREX-128 folders as they come; each loader
+returns ``dict[task name, TaskData]``. Tasks of a language folder are named by MGSM's language codes (``de``, ``zh``),
+also where the files use three-letter codes (NTREX-128's ``deu``, ``zho-CN``; see :data:`LANGUAGE_CODES`).
+
+Built-in evaluation data (see :func:`load_builtin`): ``"mgsm"``, the 250 MGSM math word problems in 11 languages
+(Shi et al. 2022, CC BY 4.0), shipped inside the package with its license; tasks are the language codes
+(:data:`MGSM_LANGUAGES`). :func:`load_tasks` accepts the name in place of a path.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specdec._paths import BUILTIN_DATA_DIR
 from specdec._validation import check_int_range
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -430,6 +436,22 @@ def load_tsv_tasks(path: str | Path, task: str | None = None) -> dict[str, TaskT
     return tasks
 
 
+LANGUAGE_CODES: dict[str, str] = {
+    "ben": "bn",
+    "deu": "de",
+    "eng": "en",
+    "fra": "fr",
+    "jpn": "ja",
+    "rus": "ru",
+    "spa": "es",
+    "swa": "sw",
+    "tel": "te",
+    "tha": "th",
+    "zho-CN": "zh",
+}
+"""File language codes (ISO 639-3, as NTREX-128 names its files) → the MGSM codes tasks are named by, for the 11
+languages MGSM covers. Codes not in the table name their task as they are."""
+
 _LANGUAGE_FILE = re.compile(r"^.+?[_.](?P<lang>[a-z]{2,3}(?:-[A-Z]{2})?)\.(?:tsv|jsonl|json|txt)$")
 
 
@@ -441,7 +463,7 @@ def _language_files(path: Path) -> list[tuple[Path, str]]:
     for file in sorted(path.iterdir()):
         match = _LANGUAGE_FILE.match(file.name)
         if file.is_file() and match:
-            found.append((file, match["lang"]))
+            found.append((file, LANGUAGE_CODES.get(match["lang"], match["lang"])))
     return found
 
 
@@ -466,8 +488,9 @@ def load_language_folder(path: str | Path) -> dict[str, TaskTexts]:
     * mCoT outputs: ``mcot_ft_<set>_<lang>.json`` (JSON lines of ``question``/``response``);
     * NTREX-128: ``newstest2019-ref.<lang>.txt`` (one sentence per line: reference texts, no prompts).
 
-    A task per file, named ``<lang>``; when two files share a language (``mcot_ft_mgsm_de`` and
-    ``mcot_ft_msvamp_de``) every task is named after its file instead.
+    A task per file, named ``<lang>``, with three-letter file codes mapped to MGSM's codes by
+    :data:`LANGUAGE_CODES` (``newstest2019-ref.deu.txt`` → ``de``); when two files share a language
+    (``mcot_ft_mgsm_de`` and ``mcot_ft_msvamp_de``) every task is named after its file instead.
     """
     path = Path(path)
     _require_existing(path)
@@ -494,18 +517,27 @@ def _is_one_json_object(content: str) -> bool:
         return False
 
 
-def load_tasks(path: str | Path, *, max_examples: int | None = None, as_task_data: bool = True) -> dict[str, Any]:
-    """Load user tasks from a ``.jsonl`` / ``.json`` file (:func:`load_jsonl_tasks`), a ``.tsv`` file
-    (:func:`load_tsv_tasks`), a ``.txt`` file (TSV when it has tabs, else :func:`load_text_lines`), or a folder with
-    one file per language (:func:`load_language_folder`: the shared MGSM, MSVAMP, mCoT and NTREX-128 folders).
+def load_tasks(path: str | Path, *, max_examples: int | None = None, as_task_data: bool = True,
+               names: Sequence[str] | None = None) -> dict[str, Any]:
+    """Load tasks from a ``.jsonl`` / ``.json`` file (:func:`load_jsonl_tasks`), a ``.tsv`` file
+    (:func:`load_tsv_tasks`), a ``.txt`` file (TSV when it has tabs, else :func:`load_text_lines`), a folder with one
+    file per language (:func:`load_language_folder`: MGSM, MSVAMP, mCoT and NTREX-128 folders), or a built-in data
+    set by name (``"mgsm"``, see :func:`load_builtin`; a file or folder of that name, where one exists, is read
+    instead).
 
     Returns ``{task: TaskData(prompts, texts)}`` (``specdec.fairness.TaskData`` when available, else
     :class:`TaskTexts`; ``as_task_data=False`` always gives :class:`TaskTexts`). ``max_examples`` keeps the first
-    rows of every task. Raises :class:`TaskFileError` with the path and line for anything it cannot read.
+    rows of every task; ``names`` keeps only these tasks, in this order (an unknown name raises
+    :class:`TaskFileError` listing the tasks there are). Raises :class:`TaskFileError` with the path and line for
+    anything it cannot read.
     """
+    if isinstance(path, str) and path in BUILTIN_DATASETS and not Path(path).exists():
+        path = builtin_path(path)
     path = Path(path)
     _require_existing(path)
     tasks = load_language_folder(path) if path.is_dir() else _load_file(path)
+    if names is not None:
+        tasks = _select(tasks, names, str(path))
     if max_examples is not None:
         max_examples = check_int_range(max_examples, "max_examples", 1, 2**63)
         tasks = {name: TaskTexts(entry.prompts[:max_examples], entry.texts[:max_examples])
@@ -513,6 +545,76 @@ def load_tasks(path: str | Path, *, max_examples: int | None = None, as_task_dat
     if not as_task_data:
         return tasks
     return {name: to_task_data(entry.prompts, entry.texts) for name, entry in tasks.items()}
+
+
+def _select(tasks: dict[str, TaskTexts], names: Sequence[str], where: str) -> dict[str, TaskTexts]:
+    """``tasks`` restricted to ``names`` (in that order); TaskFileError naming the unknown ones."""
+    if isinstance(names, str) or not isinstance(names, Sequence) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"names must be a list of task names, got {names!r}")
+    if not names:
+        raise ValueError("names must name at least one task (or be None for all of them)")
+    unknown = [name for name in names if name not in tasks]
+    if unknown:
+        raise TaskFileError(f"{where}: no task named {', '.join(map(repr, unknown))}; the tasks are "
+                            f"{', '.join(tasks)}")
+    return {name: tasks[name] for name in dict.fromkeys(names)}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Built-in evaluation data
+# ----------------------------------------------------------------------------------------------------------------------
+
+MGSM_LANGUAGES: tuple[str, ...] = ("bn", "de", "en", "es", "fr", "ja", "ru", "sw", "te", "th", "zh")
+"""The task names of the built-in ``"mgsm"`` set: MGSM's language codes."""
+
+
+@dataclass(frozen=True)
+class BuiltinDataset:
+    """A data set shipped inside the package: its folder (package data), tasks, source and license."""
+
+    name: str
+    folder: str
+    tasks: tuple[str, ...]
+    description: str
+    source: str
+    license: str
+    license_file: str
+
+
+BUILTIN_DATASETS: dict[str, BuiltinDataset] = {
+    "mgsm": BuiltinDataset(
+        name="mgsm", folder="mgsm", tasks=MGSM_LANGUAGES,
+        description="MGSM (Multilingual Grade School Math): the same 250 GSM8K test problems, human-translated into "
+                    "11 languages; one task per language, prompt = question, text = question + newline + answer",
+        source="Shi et al. 2022, 'Language Models are Multilingual Chain-of-Thought Reasoners' (arXiv 2210.03057); "
+               "github.com/google-research/url-nlp, folder mgsm/, commit 452a21ad3dae5668c06ceeac21ff073e1e40f9be",
+        license="CC BY 4.0", license_file="LICENSE.txt"),
+}
+"""The built-in data sets by name; their files live in ``specdec/datasets/<folder>/`` (installed with the package)."""
+
+
+def builtin_path(name: str) -> Path:
+    """The folder of the built-in data set ``name`` (see :data:`BUILTIN_DATASETS`)."""
+    if name not in BUILTIN_DATASETS:
+        raise ValueError(f"name must be a built-in data set ({', '.join(BUILTIN_DATASETS)}), got {name!r}")
+    folder = BUILTIN_DATA_DIR / BUILTIN_DATASETS[name].folder
+    if not folder.is_dir():  # an install that left the package data out
+        raise TaskFileError(f"the built-in data set {name!r} is missing from this installation (expected {folder}); "
+                            "reinstall specdec")
+    return folder
+
+
+def load_builtin(name: str = "mgsm", *, names: Sequence[str] | None = None, max_examples: int | None = None,
+                 as_task_data: bool = True) -> dict[str, Any]:
+    """Load a built-in evaluation set shipped with the package: ``{task: TaskData(prompts, texts)}``.
+
+    ``"mgsm"``: MGSM's 250 problems in 11 languages, tasks named ``bn de en es fr ja ru sw te th zh``; every prompt is
+    a question, every text the question, a newline and the numeric answer (CC BY 4.0: the license and the source are
+    in the data set's folder, :func:`builtin_path`). ``names`` keeps only these tasks (e.g. ``["en", "de", "bn"]``);
+    ``max_examples`` the first problems of every task (the files are parallel: line i is one problem in every
+    language). Nothing is downloaded.
+    """
+    return load_tasks(builtin_path(name), max_examples=max_examples, as_task_data=as_task_data, names=names)
 
 
 def _has_tab(path: Path) -> bool:

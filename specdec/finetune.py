@@ -18,6 +18,10 @@ minibatch and keeps its slice (rows ``rank::world_size``), per-task sums and cou
 are computed, and each process backpropagates ``world_size * sum_{n local} omega_n H_n``, so the DDP gradient average
 equals the one-process gradient of the global objective.
 
+Evaluation texts are held out: without ``eval_tasks``, a seeded split (:func:`held_out_split`, ``eval_fraction`` and
+``split_seed`` of the config) sets aside a share of every task's texts for the evaluations, and training never sees
+them; pass ``eval_fraction=0`` to evaluate on training texts instead (a measure of fit, not of generalisation).
+
 The training settings are one :class:`FinetuneConfig`; checkpoints are written and read by
 :mod:`specdec.finetune_checkpoint` (its public names are importable from here too).
 """
@@ -26,7 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
+import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +41,7 @@ import torch
 
 from specdec._models import check_model_pair, model_device, model_vocab_size
 from specdec._validation import check_backend, check_int_at_least, check_int_range, check_number
+from specdec.compat import check_task_texts, model_positions, resolve_vocab_size
 from specdec.fairness import unfairness
 from specdec.finetune_checkpoint import (
     CHECKPOINT_FORMAT,
@@ -57,6 +64,7 @@ __all__ = [
     "FinetuneConfig",
     "FinetuneResult",
     "finetune_drafter",
+    "held_out_split",
     "load_checkpoint",
     "save_checkpoint",
 ]
@@ -89,8 +97,14 @@ class FinetuneConfig:
         temperature (float, default 1.0): > 0, applied to both p and q.
         eval_every (int | None, default 50): >= 1, evaluate U, alpha etc. on the evaluation set every this many
             steps (and always at the start and the end); None evaluates only at the start and the end.
-        eval_examples (int, default 32): >= 1, texts per task evaluated when no ``eval_tasks`` are given (the first
-            ones of each task, cropped to ``seq_len``).
+        eval_fraction (float, default 0.1): in [0, 1), the share of every task's texts held out for the evaluations
+            when no ``eval_tasks`` are given: ``ceil(eval_fraction * n)`` of a task's n texts, at most
+            ``eval_examples``, chosen by a seeded shuffle (``split_seed``), are evaluated on (cropped to ``seq_len``)
+            and never trained on. 0 evaluates on the first ``eval_examples`` training texts instead.
+        eval_examples (int, default 32): >= 1, the most texts per task held out and evaluated when no
+            ``eval_tasks`` are given.
+        split_seed (int, default 0): in [0, 2**64), seeds the held-out split; kept apart from ``seed`` so runs with
+            different training seeds evaluate on the same texts.
         checkpoint_dir (str | os.PathLike | None, default None): folder of ``drafter_checkpoint.safetensors``;
             None writes no checkpoint.
         checkpoint_every (int | None, default None): >= 1, steps between checkpoints (None: ``eval_every``); one
@@ -115,7 +129,9 @@ class FinetuneConfig:
     max_grad_norm: float | None = 1.0
     temperature: float = 1.0
     eval_every: int | None = 50
+    eval_fraction: float = 0.1
     eval_examples: int = 32
+    split_seed: int = 0
     checkpoint_dir: str | os.PathLike | None = None
     checkpoint_every: int | None = None
     resume: bool = True
@@ -135,12 +151,17 @@ class FinetuneConfig:
         numbers = {"weight_floor": check_number(self.weight_floor, "weight_floor", 0.0),
                    "lr": check_number(self.lr, "lr", 0.0, strict=True),
                    "weight_decay": check_number(self.weight_decay, "weight_decay", 0.0),
-                   "temperature": check_number(self.temperature, "temperature", 0.0, strict=True)}
+                   "temperature": check_number(self.temperature, "temperature", 0.0, strict=True),
+                   "eval_fraction": check_number(self.eval_fraction, "eval_fraction", 0.0)}
+        if numbers["eval_fraction"] >= 1:
+            raise ValueError(f"eval_fraction must be in [0, 1) (the share of each task's texts held out), got "
+                             f"{self.eval_fraction}")
         if self.max_grad_norm is not None:
             numbers["max_grad_norm"] = check_number(self.max_grad_norm, "max_grad_norm", 0.0, strict=True)
         for name, value in numbers.items():  # ints given for floats are kept as floats (the checkpoint compares them)
             object.__setattr__(self, name, value)
         check_int_range(self.seed, "seed", 0, 2**64)
+        check_int_range(self.split_seed, "split_seed", 0, 2**64)
         check_backend(self.backend)
 
     def replace(self, **changes: Any) -> FinetuneConfig:
@@ -188,7 +209,8 @@ class FinetuneResult:
     ``worst_task``, ``per_task`` (name -> ``{"ce", "kl", "tv", "alpha"}``) and ``train_loss`` (mean objective since
     the previous evaluation). losses: the objective of every step run in this call. steps: the last step reached.
     resumed_from: the step loaded from a checkpoint (0 when starting fresh). checkpoint_path: the checkpoint file.
-    config: the settings of the run.
+    config: the settings of the run. held_out: task -> the indices (into that task's texts as given) of the texts
+    held out for the evaluations and not trained on; None when ``eval_tasks`` were given or ``eval_fraction`` is 0.
     """
 
     drafter: torch.nn.Module
@@ -200,6 +222,7 @@ class FinetuneResult:
     resumed_from: int = 0
     checkpoint_path: str | None = None
     config: FinetuneConfig | None = None
+    held_out: dict[str, list[int]] | None = None
 
     @property
     def initial(self) -> dict[str, Any]:
@@ -211,22 +234,49 @@ class FinetuneResult:
 
 
 def _tokenize_tasks(tasks: object, tokenizer: Any, name: str,
-                    add_special_tokens: bool = False) -> dict[str, list[list[int]]]:
+                    add_special_tokens: bool = False) -> dict[str, list[tuple[int, list[int]]]]:
+    """``{task: [(index of the text, its token ids), ...]}`` keeping the texts of at least 2 tokens."""
     if not isinstance(tasks, Mapping):
         raise TypeError(f"{name} must be a mapping from task name to a list of texts or token-id lists, "
                         f"got {type(tasks).__name__}")
     if len(tasks) == 0:
         raise ValueError(f"{name} must contain at least one task")
-    out: dict[str, list[list[int]]] = {}
+    out: dict[str, list[tuple[int, list[int]]]] = {}
     for task, items in tasks.items():
         if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
             raise TypeError(f"{name}[{task!r}] must be a list of texts or token-id lists, got {type(items).__name__}")
-        tokens, _ = encode_items(items, tokenizer, f"{name}[{task!r}]", add_special_tokens)
-        tokens = [t for t in tokens if len(t) >= 2]
+        encoded, _ = encode_items(items, tokenizer, f"{name}[{task!r}]", add_special_tokens)
+        tokens = [(index, t) for index, t in enumerate(encoded) if len(t) >= 2]
         if not tokens:
             raise ValueError(f"{name}[{task!r}] has no text of at least 2 tokens")
         out[str(task)] = tokens
     return out
+
+
+def held_out_split(sizes: Mapping[str, int], eval_fraction: float = 0.1, max_examples: int = 32,
+                   seed: int = 0) -> dict[str, list[int]]:
+    """The indices of the texts held out for evaluation, per task: ``min(ceil(eval_fraction * n), max_examples)`` of a
+    task's ``n`` texts, at least 1, chosen by a shuffle seeded with ``seed`` and the task's name (so one task's split
+    does not depend on the others), returned sorted. The rest are the training texts. ValueError for a task with
+    fewer than 2 texts (nothing would be left to train on or to evaluate).
+    """
+    check_number(eval_fraction, "eval_fraction", 0.0, strict=True)
+    if eval_fraction >= 1:
+        raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
+    check_int_at_least(max_examples, "max_examples", 1)
+    check_int_range(seed, "seed", 0, 2**64)
+    split: dict[str, list[int]] = {}
+    for task, size in sizes.items():
+        check_int_at_least(size, f"sizes[{task!r}]", 0)
+        if size < 2:
+            raise ValueError(f"tasks[{task!r}] has {size} usable text(s) (of at least 2 tokens): too few to hold out "
+                             "evaluation texts and train on the rest; give more texts, pass eval_tasks=, or set "
+                             "eval_fraction=0 to evaluate on the training texts")
+        count = min(max(1, math.ceil(eval_fraction * size)), max_examples, size - 1)
+        order = list(range(size))
+        random.Random(f"specdec-held-out/{seed}/{task}").shuffle(order)
+        split[str(task)] = sorted(order[:count])
+    return split
 
 
 def _window(seq: list[int], seq_len: int, generator: torch.Generator) -> list[int]:
@@ -348,10 +398,13 @@ def finetune_drafter(
         tasks: name -> list of texts (needs ``tokenizer``) or of token-id lists; the training data of each task.
         config: the training settings, a :class:`FinetuneConfig` (default: ``FinetuneConfig()``).
         tokenizer: HF-style tokenizer with ``encode(text, add_special_tokens=...)``, for string texts.
-        eval_tasks: held-out texts for the evaluations, like ``tasks`` (default: the first ``eval_examples`` texts of
-            each task, cropped to ``seq_len``).
+        eval_tasks: held-out texts for the evaluations, like ``tasks``. Default: a seeded share of every task's texts
+            held out from training (``eval_fraction``, ``eval_examples`` and ``split_seed`` of the config; see
+            :func:`held_out_split`), cropped to ``seq_len``; ``eval_fraction=0`` evaluates on the first
+            ``eval_examples`` training texts instead.
         add_special_tokens: passed to ``tokenizer.encode`` for string texts (e.g. to prepend BOS).
-        pad_token_id: id used to right-pad windows (masked out). vocab_size: shared id range of the two models.
+        pad_token_id: id used to right-pad windows (masked out). vocab_size: shared id range of the two models;
+            needed when their output layers differ in size (see :func:`specdec.compat.resolve_vocab_size`).
         progress: tqdm bar (rank 0 only).
         callback: called as ``callback(step, info)`` after every step (info has ``loss``, ``weights``,
             ``task_values`` and ``grad_norm``, the global gradient norm before clipping).
@@ -361,6 +414,10 @@ def finetune_drafter(
 
     Returns:
         :class:`FinetuneResult`.
+
+    Raises ValueError when the models' output sizes differ and ``vocab_size`` is not given, when ``seq_len`` is more
+    than the models' positions, or when a task has too few texts to hold some out. Warns
+    (:class:`specdec.compat.SpecdecWarning`) for a task whose texts the tokenizer turns into many unknown tokens.
     """
     import torch.distributed as dist
     from tqdm.auto import tqdm
@@ -369,24 +426,42 @@ def finetune_drafter(
 
     device = _check_models(drafter, verifier)
     cfg = resolve_config(config, settings)
-    model_vocab = min(model_vocab_size(verifier), model_vocab_size(drafter))
-    if vocab_size is None:
-        vocab_size = model_vocab
-    else:
-        check_int_range(vocab_size, "vocab_size", 1, model_vocab + 1, note=" (the models' output sizes)")
+    vocab_size = resolve_vocab_size(verifier, drafter, vocab_size) or model_vocab_size(verifier)
     check_int_range(pad_token_id, "pad_token_id", 0, vocab_size)
+    positions = [p for p in (model_positions(verifier), model_positions(drafter)) if p is not None]
+    if positions and cfg.seq_len > min(positions):
+        raise ValueError(f"seq_len={cfg.seq_len} is more than the models' {min(positions)} positions "
+                         f"(max_position_embeddings): use seq_len <= {min(positions)}")
     autocast = device.type == "cuda" if cfg.autocast is None else bool(cfg.autocast)
 
-    corpus_map = _tokenize_tasks(tasks, tokenizer, "tasks", add_special_tokens)
-    names = list(corpus_map)
-    corpus = [corpus_map[n] for n in names]
-    if eval_tasks is None:
+    tokenized = _tokenize_tasks(tasks, tokenizer, "tasks", add_special_tokens)
+    for n, rows in tokenized.items():
+        if max(max(t) for _, t in rows) >= vocab_size or min(min(t) for _, t in rows) < 0:
+            raise ValueError(f"tasks[{n!r}] has token ids outside [0, vocab_size={vocab_size})")
+    if tokenizer is not None:  # a tokenizer that does not cover a task's text: warn, naming the task
+        check_task_texts(tasks, tokenizer, add_special_tokens=add_special_tokens)
+        if eval_tasks is not None:
+            check_task_texts(eval_tasks, tokenizer, add_special_tokens=add_special_tokens)
+    names = list(tokenized)
+    held_out = None
+    if eval_tasks is not None:
+        corpus_map = {n: [t for _, t in rows] for n, rows in tokenized.items()}
+        eval_tokens = {n: [t for _, t in rows] for n, rows in
+                       _tokenize_tasks(eval_tasks, tokenizer, "eval_tasks", add_special_tokens).items()}
+    elif cfg.eval_fraction == 0:  # evaluated on training texts, as asked
+        corpus_map = {n: [t for _, t in rows] for n, rows in tokenized.items()}
         eval_tokens = {n: [s[:cfg.seq_len] for s in corpus_map[n][:cfg.eval_examples]] for n in names}
     else:
-        eval_tokens = _tokenize_tasks(eval_tasks, tokenizer, "eval_tasks", add_special_tokens)
-    for n, seqs in list(corpus_map.items()) + list(eval_tokens.items()):
+        split = held_out_split({n: len(rows) for n, rows in tokenized.items()}, cfg.eval_fraction,
+                               cfg.eval_examples, cfg.split_seed)
+        held_out = {n: [tokenized[n][i][0] for i in split[n]] for n in names}
+        kept = {n: set(range(len(rows))) - set(split[n]) for n, rows in tokenized.items()}
+        corpus_map = {n: [t for i, (_, t) in enumerate(rows) if i in kept[n]] for n, rows in tokenized.items()}
+        eval_tokens = {n: [tokenized[n][i][1][:cfg.seq_len] for i in split[n]] for n in names}
+    corpus = [corpus_map[n] for n in names]
+    for n, seqs in eval_tokens.items():
         if max(max(s) for s in seqs) >= vocab_size or min(min(s) for s in seqs) < 0:
-            raise ValueError(f"tasks[{n!r}] has token ids outside [0, vocab_size={vocab_size})")
+            raise ValueError(f"eval_tasks[{n!r}] has token ids outside [0, vocab_size={vocab_size})")
     num_tasks = len(names)
 
     distributed = dist.is_available() and dist.is_initialized()
@@ -402,6 +477,7 @@ def finetune_drafter(
                     "batch_size_per_task": cfg.batch_size_per_task, "seq_len": cfg.seq_len, "lr": cfg.lr,
                     "weight_decay": cfg.weight_decay, "max_grad_norm": cfg.max_grad_norm,
                     "temperature": cfg.temperature, "seed": cfg.seed, "normalize_weights": cfg.normalize_weights,
+                    "eval_fraction": cfg.eval_fraction, "split_seed": cfg.split_seed,
                     "tasks_digest": tasks_digest(corpus, eval_tokens)}
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -490,4 +566,4 @@ def finetune_drafter(
         verifier.train(verifier_was_training)
     return FinetuneResult(drafter=drafter, history=history, losses=losses, steps=max(start_step, cfg.steps),
                           method=cfg.method, weight_basis=cfg.weight_basis, resumed_from=start_step,
-                          checkpoint_path=ckpt_path, config=cfg)
+                          checkpoint_path=ckpt_path, config=cfg, held_out=held_out)

@@ -143,8 +143,9 @@ def test_shared_data_layouts(tmp_path):
     (ntrex / "README.md").write_text("# about\n", encoding="utf-8")
     for kind, lang in (("ref", "deu"), ("ref", "zho-CN"), ("src", "eng")):
         (ntrex / f"newstest2019-{kind}.{lang}.txt").write_text(f"{lang} one\n\n{lang} two\n", encoding="utf-8")
-    tasks = data.load_tasks(ntrex, as_task_data=False)  # one file per language: tasks named by language
-    assert sorted(tasks) == ["deu", "eng", "zho-CN"] and tasks["eng"] == data.TaskTexts([], ["eng one", "eng two"])
+    tasks = data.load_tasks(ntrex, as_task_data=False)  # one file per language: tasks named by MGSM's codes
+    assert sorted(tasks) == ["de", "en", "zh"] and tasks["en"] == data.TaskTexts([], ["eng one", "eng two"])
+    assert tasks["zh"].texts == ["zho-CN one", "zho-CN two"]
 
     mixed = tmp_path / "mixed.jsonl"
     mixed.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"task": "t", "prompt": "b"}) + "\n",
@@ -253,3 +254,84 @@ def test_data_arguments_are_checked_by_name(tmp_path):
     with pytest.raises(TypeError, match="tasks must be a list"):
         data.synthetic_task_suite(3, tasks="count")
     assert set(data.synthetic_task_suite(2, tasks=["count"])) == {"count"}
+
+
+# ------------------------------------------------------------------------------------------------ language codes
+def test_language_codes_map_the_ntrex_files_to_the_mgsm_codes():
+    assert set(data.LANGUAGE_CODES.values()) == set(data.MGSM_LANGUAGES)  # the 11 languages, one to one
+    assert len(data.LANGUAGE_CODES) == len(data.MGSM_LANGUAGES)
+    assert data.LANGUAGE_CODES["deu"] == "de" and data.LANGUAGE_CODES["zho-CN"] == "zh"
+
+
+def test_a_folder_with_two_files_for_one_language_names_its_tasks_after_the_files(tmp_path):
+    """``x.deu.txt`` and ``x_de.tsv`` are one language once the codes are mapped: tasks fall back to file names."""
+    (tmp_path / "news.deu.txt").write_text("Ein Satz.\n", encoding="utf-8")
+    (tmp_path / "mgsm_de.tsv").write_text("Frage?\t1\n", encoding="utf-8")
+    assert sorted(data.load_tasks(tmp_path)) == ["mgsm_de", "news.deu"]
+
+
+# ------------------------------------------------------------------------------------------------- built-in MGSM
+def _answer(text: str) -> str:
+    return text.rsplit(data.QA_SEPARATOR, 1)[1]
+
+
+def test_builtin_mgsm_is_the_parallel_data_set():
+    tasks = data.load_builtin("mgsm", as_task_data=False)
+    assert tuple(tasks) == data.MGSM_LANGUAGES
+    for name, task in tasks.items():
+        assert len(task.prompts) == len(task.texts) == 250, name
+        assert all(text.startswith(prompt + data.QA_SEPARATOR) for prompt, text in zip(task.prompts, task.texts,
+                                                                                      strict=True))
+    # line i is one problem in every language: the answers agree
+    english = [_answer(text) for text in tasks["en"].texts]
+    for name, task in tasks.items():
+        assert [_answer(text) for text in task.texts] == english, name
+    assert tasks["en"].texts[1].endswith("How many bolts in total does it take?\n3")
+    assert any("\u0995" <= char <= "\u09ff" for char in tasks["bn"].prompts[0])  # Bengali script
+
+
+def test_builtin_mgsm_ships_with_its_license_source_and_checksums():
+    import hashlib
+
+    folder = data.builtin_path("mgsm")
+    info = data.BUILTIN_DATASETS["mgsm"]
+    license_text = (folder / info.license_file).read_text(encoding="utf-8")
+    assert "Attribution 4.0 International" in license_text and info.license == "CC BY 4.0"
+    note = (folder / "README.md").read_text(encoding="utf-8")
+    for needle in ("CC BY 4.0", "google-research/url-nlp", "452a21ad3dae5668c06ceeac21ff073e1e40f9be", "2210.03057"):
+        assert needle in note
+    sums = dict(reversed(line.split("  ./")) for line in (folder / "SHA256SUMS").read_text().splitlines())
+    assert sorted(sums) == sorted(["LICENSE.txt"] + [f"mgsm_{lang}.tsv" for lang in data.MGSM_LANGUAGES])
+    for name, digest in sums.items():
+        assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == digest, name
+
+
+def test_load_tasks_resolves_the_builtin_name(tmp_path, monkeypatch):
+    by_name = data.load_tasks("mgsm", as_task_data=False, names=["bn", "en"], max_examples=3)
+    assert list(by_name) == ["bn", "en"]  # in the order asked for
+    assert by_name["en"] == data.load_builtin("mgsm", as_task_data=False, max_examples=3)["en"]
+    assert len(by_name["bn"].texts) == 3
+    with_task_data = data.load_builtin("mgsm", names=["de"], max_examples=2)
+    assert isinstance(with_task_data["de"], TaskData) and len(with_task_data["de"].prompts) == 2
+    # a folder named like a built-in set is read as the folder it is
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mgsm").mkdir()
+    (tmp_path / "mgsm" / "mgsm_xx.tsv").write_text("q?\t1\n", encoding="utf-8")
+    assert list(data.load_tasks("mgsm")) == ["xx"]
+
+
+def test_builtin_and_task_names_are_checked():
+    with pytest.raises(ValueError, match="name must be a built-in data set .*mgsm.*'gsm8k'"):
+        data.load_builtin("gsm8k")
+    with pytest.raises(data.TaskFileError, match="no task named 'xx', 'yy'; the tasks are bn, de, en"):
+        data.load_builtin("mgsm", names=["en", "xx", "yy"])
+    with pytest.raises(TypeError, match="names must be a list of task names"):
+        data.load_builtin("mgsm", names="en")
+    with pytest.raises(ValueError, match="names must name at least one task"):
+        data.load_builtin("mgsm", names=[])
+
+
+def test_a_missing_builtin_folder_says_to_reinstall(monkeypatch, tmp_path):
+    monkeypatch.setattr(data, "BUILTIN_DATA_DIR", tmp_path)
+    with pytest.raises(data.TaskFileError, match="missing from this installation.*reinstall"):
+        data.load_builtin("mgsm")

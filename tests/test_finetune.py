@@ -329,6 +329,12 @@ def test_ddp_two_processes_match_one_process(tmp_path):
     (dict(pad_token_id=-1), ValueError, "pad_token_id"),
     (dict(pad_token_id=VOCAB), ValueError, "pad_token_id"),
     (dict(seed=1.5), ValueError, "seed"),
+    (dict(eval_fraction=1.0), ValueError, r"eval_fraction must be in \[0, 1\)"),
+    (dict(eval_fraction=-0.1), ValueError, "eval_fraction"),
+    (dict(split_seed=-1), ValueError, "split_seed"),
+    (dict(eval_examples=0), ValueError, "eval_examples"),
+    (dict(tasks={"a": [[3, 4, 5]], "b": [[5, 6], [6, 7]]}), ValueError,
+     r"tasks\['a'\] has 1 usable text.*eval_tasks=.*eval_fraction=0"),
 ])
 def test_bad_inputs(kwargs, error, needle):
     verifier, drafter = make_pair()
@@ -357,3 +363,113 @@ def test_drafter_sharing_parameters_with_the_verifier_is_refused():
     frozen = tiny_llama(16, 1, seed=1).requires_grad_(False)
     with pytest.raises(ValueError, match="requires_grad"):
         finetune_drafter(frozen, verifier, make_tasks(), **SMALL)
+
+
+# -------------------------------------------------------------------------------------------- held-out evaluation
+def _record_batches_and_evaluations(monkeypatch) -> tuple[list[list[int]], list[dict[str, list[list[int]]]]]:
+    """Patch the minibatch drawer and the evaluation to record every training window and every evaluation set."""
+    import specdec.finetune as finetune_module
+
+    windows: list[list[int]] = []
+    evaluated: list[dict[str, list[list[int]]]] = []
+    draw, evaluate = finetune_module._draw_global_batch, finetune_module._evaluate
+
+    def recording_draw(*args, **kwargs):
+        rows = draw(*args, **kwargs)
+        windows.extend(row[1] for row in rows)
+        return rows
+
+    def recording_evaluate(verifier, drafter, eval_tokens, *args, **kwargs):
+        evaluated.append(eval_tokens)
+        return evaluate(verifier, drafter, eval_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(finetune_module, "_draw_global_batch", recording_draw)
+    monkeypatch.setattr(finetune_module, "_evaluate", recording_evaluate)
+    return windows, evaluated
+
+
+def test_evaluation_texts_are_held_out_from_training_by_default(monkeypatch):
+    """Without eval_tasks, a seeded tenth of every task (at least one text) is evaluated on and never trained on."""
+    windows, evaluated = _record_batches_and_evaluations(monkeypatch)
+    tasks = make_tasks()  # "a": 10 texts, "b": 3 texts; every text at most 14 tokens, so a window is a whole text
+    verifier, drafter = make_pair()
+    result = finetune_drafter(drafter, verifier, tasks, **{**SMALL, "seq_len": 16, "steps": 6})
+    assert {task: len(indices) for task, indices in result.held_out.items()} == {"a": 1, "b": 1}
+    held = {task: [tasks[task][i] for i in indices] for task, indices in result.held_out.items()}
+    assert all(evaluation == held for evaluation in evaluated) and len(evaluated) == len(result.history)
+    trained = {tuple(window) for window in windows}
+    assert not trained & {tuple(text) for texts in held.values() for text in texts}, "a held-out text was trained on"
+    rest = {tuple(text) for task, texts in tasks.items() for i, text in enumerate(texts)
+            if i not in result.held_out[task]}
+    assert trained <= rest and len(trained) > len(rest) // 2
+
+
+def test_the_held_out_split_is_seeded_and_documented(monkeypatch):
+    from specdec.finetune import held_out_split
+
+    sizes = {"a": 250, "b": 10, "c": 2}
+    split = held_out_split(sizes, eval_fraction=0.1, max_examples=32, seed=0)
+    assert {task: len(indices) for task, indices in split.items()} == {"a": 25, "b": 1, "c": 1}
+    assert split == held_out_split(sizes, 0.1, 32, 0), "the same seed gives the same split"
+    assert split["a"] != held_out_split(sizes, 0.1, 32, 1)["a"]
+    assert held_out_split({"a": 250}, 0.1, 32, 0)["a"] == split["a"], "a task's split does not depend on the others"
+    assert len(held_out_split({"a": 250}, 0.5, 32, 0)["a"]) == 32, "at most max_examples"
+    assert all(indices == sorted(set(indices)) and max(indices) < sizes[task] for task, indices in split.items())
+    with pytest.raises(ValueError, match=r"tasks\['c'\] has 1 usable text"):
+        held_out_split({"c": 1})
+    with pytest.raises(ValueError, match="eval_fraction"):
+        held_out_split({"a": 5}, eval_fraction=0.0)
+    # the split follows split_seed, not the training seed, so that training seeds share one evaluation set
+    verifier, drafter0 = make_pair()
+    runs = {}
+    for seed, split_seed in ((0, 0), (1, 0), (0, 7)):
+        runs[seed, split_seed] = finetune_drafter(copy.deepcopy(drafter0), verifier, make_tasks(),
+                                                  **{**SMALL, "steps": 1, "seed": seed, "split_seed": split_seed,
+                                                     "eval_fraction": 0.3}).held_out
+    assert runs[0, 0] == runs[1, 0] != runs[0, 7]
+    assert "held out" in FinetuneConfig.__doc__ and "eval_fraction" in finetune_drafter.__doc__
+
+
+def test_eval_fraction_zero_and_eval_tasks_evaluate_on_what_they_name(monkeypatch):
+    _, evaluated = _record_batches_and_evaluations(monkeypatch)
+    tasks = make_tasks()
+    verifier, drafter0 = make_pair()
+    on_training = finetune_drafter(copy.deepcopy(drafter0), verifier, tasks,
+                                   **{**SMALL, "steps": 1, "eval_fraction": 0.0, "eval_examples": 2})
+    assert on_training.held_out is None
+    assert evaluated[-1] == {task: [text[:SMALL["seq_len"]] for text in texts[:2]] for task, texts in tasks.items()}
+    given = {"a": [[5, 6, 7]], "b": [[30, 31]]}
+    with_eval_tasks = finetune_drafter(copy.deepcopy(drafter0), verifier, tasks, eval_tasks=given,
+                                       **{**SMALL, "steps": 1})
+    assert with_eval_tasks.held_out is None and evaluated[-1] == given
+
+
+# ------------------------------------------------------------------------------------ models and data that don't fit
+def test_differing_output_sizes_need_vocab_size():
+    verifier = build_tiny_llama(vocab_size=VOCAB, hidden_size=16, num_layers=1, seed=0)
+    drafter = build_tiny_llama(vocab_size=VOCAB + 24, hidden_size=16, num_layers=1, seed=1)
+    with pytest.raises(ValueError, match=rf"the drafter has {VOCAB + 24} output rows.*pass vocab_size={VOCAB}"):
+        finetune_drafter(drafter, verifier, make_tasks(), **SMALL)
+    result = finetune_drafter(drafter, verifier, make_tasks(), vocab_size=VOCAB, **{**SMALL, "steps": 1})
+    assert result.steps == 1
+
+
+def test_windows_longer_than_the_models_positions_are_refused():
+    verifier, drafter = make_pair()
+    drafter.config.max_position_embeddings = 8
+    with pytest.raises(ValueError, match=r"seq_len=10 is more than the models' 8 positions .*use seq_len <= 8"):
+        finetune_drafter(drafter, verifier, make_tasks(), **SMALL)
+
+
+def test_texts_the_tokenizer_does_not_cover_are_named():
+    from specdec import data
+    from specdec.compat import SpecdecWarning
+
+    tokenizer = data.build_char_tokenizer()
+    verifier = build_tiny_llama(vocab_size=len(tokenizer), hidden_size=16, num_layers=1, seed=0)
+    drafter = build_tiny_llama(vocab_size=len(tokenizer), hidden_size=16, num_layers=1, seed=1)
+    tasks = {"latin": ["the fox sees a bird."] * 4, "bengali": ["\u0986\u09ae\u09bf \u09ad\u09be\u09a4 12"] * 4}
+    with pytest.warns(SpecdecWarning) as record:
+        finetune_drafter(drafter, verifier, tasks, tokenizer=tokenizer, **{**SMALL, "steps": 1})
+    messages = [str(w.message) for w in record if issubclass(w.category, SpecdecWarning)]
+    assert len(messages) == 1 and messages[0].startswith("task 'bengali': 60.0% of its 40 tokens are '<unk>'")
