@@ -45,7 +45,8 @@ class SpecdecWarning(UserWarning):
 
 
 def _warn(message: str) -> None:
-    warnings.warn(message, SpecdecWarning, stacklevel=3)
+    """A :class:`SpecdecWarning` attributed to the caller of :func:`check_task_texts` (through ``_warn_about``)."""
+    warnings.warn(message, SpecdecWarning, stacklevel=4)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

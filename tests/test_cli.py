@@ -42,6 +42,26 @@ def tasks_file(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def odd_pairs(tmp_path_factory, pair_dirs) -> dict[str, str]:
+    """Folders of models that do not fit the verifier of ``pair_dirs`` (or each other) in one way each."""
+    root = tmp_path_factory.mktemp("odd")
+    tokenizer = data.build_char_tokenizer()
+    rows = tiny_llama(vocab_size=200, hidden_size=32, num_layers=1, seed=2)  # 200 output rows for 78 tokens
+    rows.save_pretrained(root / "rows200")
+    rows.save_pretrained(root / "rows200-same-tokenizer")
+    tokenizer.save_pretrained(root / "rows200-same-tokenizer")
+    other = tiny_llama(vocab_size=len(tokenizer), hidden_size=32, num_layers=1, seed=3)
+    other.save_pretrained(root / "other-tokenizer")  # the same size, the same characters under other ids
+    data.build_char_tokenizer(data.ALPHABET[::-1]).save_pretrained(root / "other-tokenizer")
+    for name, seed in (("short-verifier", 0), ("short-drafter", 1)):  # 64 positions
+        model = tiny_llama(vocab_size=len(tokenizer), hidden_size=32, num_layers=1, seed=seed)
+        model.config.max_position_embeddings = 64
+        model.save_pretrained(root / name)
+    tokenizer.save_pretrained(root / "short-verifier")
+    return {path.name: str(path) for path in root.iterdir()}
+
+
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     code = main(list(argv))
     captured = capsys.readouterr()
@@ -57,6 +77,39 @@ def test_help_lists_every_subcommand(capsys):
     for command in ("generate", "evaluate", "finetune", "bench", "demo"):
         code, out, _ = run_cli(capsys, command, "--help")
         assert code == 0 and "usage: specdec " + command in out
+
+
+def _subparsers() -> dict:
+    import argparse
+
+    from specdec.cli import build_parser
+
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def test_every_option_has_help_and_shows_its_default():
+    import argparse
+
+    for command, subparser in _subparsers().items():
+        for action in subparser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            name = "/".join(action.option_strings) or action.dest
+            assert action.help, f"specdec {command} {name} has no help text"
+            shown = action.default not in (None, False, argparse.SUPPRESS) and not action.required
+            if shown and not isinstance(action, argparse._StoreConstAction):
+                assert "default" in action.help, f"specdec {command} {name} does not show its default"
+                if isinstance(action.default, (int, float)) and not isinstance(action.default, bool):
+                    assert f"default: {action.default:g}" in action.help or f"default: {action.default}" in \
+                        action.help, f"specdec {command} {name}: the help shows another default"
+
+
+def test_max_new_tokens_shows_each_commands_default(capsys):
+    for command, default in (("generate", 64), ("evaluate", 32)):
+        action = next(a for a in _subparsers()[command]._actions if a.dest == "max_new_tokens")
+        assert action.default == default and f"(default: {default})" in action.help
 
 
 def test_no_command_and_unknown_command_are_usage_errors(capsys):
@@ -190,6 +243,72 @@ def test_evaluate_tsv_and_mgsm_folder(capsys, pair_dirs, tmp_path):
     assert "| a |" in out and "| b |" in out
 
 
+def test_evaluate_builtin_mgsm_names_the_tasks_the_tokenizer_does_not_cover(capsys, pair_dirs):
+    verifier_dir, drafter_dir = pair_dirs
+    code, out, err = run_cli(capsys, "evaluate", "--verifier", verifier_dir, "--drafter", drafter_dir, "--tasks",
+                             "mgsm", "--task-names", "en,bn", "--max-examples", "3", "--max-new-tokens", "2",
+                             "--cost-ratio", "0.5", "--no-progress")
+    assert code == 0, err
+    assert "| en |" in out and "| bn |" in out and "| de |" not in out
+    warnings = [line for line in err.splitlines() if line.startswith("specdec evaluate: warning: ")]
+    assert len(warnings) == 1 and "task 'bn': " in warnings[0] and "'<unk>'" in warnings[0]
+    rate = float(warnings[0].split("task 'bn': ")[1].split("%")[0])
+    assert 70 < rate < 90  # the demo's character tokenizer has no Bengali letters
+    code, _, err = run_cli(capsys, "evaluate", "--verifier", verifier_dir, "--drafter", drafter_dir, "--tasks",
+                           "mgsm", "--task-names", "en,xx")
+    assert code == 2 and "argument --task-names: mgsm has no task named 'xx'; its tasks are bn, de, en" in err
+    code, _, err = run_cli(capsys, "evaluate", "--verifier", verifier_dir, "--drafter", drafter_dir, "--tasks",
+                           "mgsm8k")
+    assert code == 2 and "no such file or folder: mgsm8k (built-in data sets: mgsm)" in err
+
+
+def test_evaluate_warns_about_texts_cut_at_the_positions(capsys, odd_pairs, tmp_path):
+    tasks = tmp_path / "lengths.jsonl"
+    rows = [{"task": "long", "text": "a" * 100}, {"task": "long", "text": "b" * 10},
+            {"task": "fits", "text": "count 1: 2 3"}]
+    tasks.write_text("\n".join(json.dumps(row) for row in rows) + "\n", encoding="utf-8")
+    common = ["--verifier", odd_pairs["short-verifier"], "--drafter", odd_pairs["short-drafter"], "--tasks",
+              str(tasks), "--max-new-tokens", "2", "--cost-ratio", "0.5", "--no-progress"]
+    code, out, err = run_cli(capsys, "evaluate", *common)
+    assert code == 0, err
+    # with BOS the long text has 101 tokens; the models have 64 positions
+    assert err.count("warning:") == 1 and ("warning: task 'long': 1 of its 2 texts are longer than the models' 64 "
+                                           "positions (max_position_embeddings): 37 of their 112 tokens (33%) are "
+                                           "cut off and not measured") in err
+    code, out, err = run_cli(capsys, "evaluate", *common, "--max-length", "8")
+    assert code == 0 and "task 'long': 2 of its 2 texts are longer than max_length=8" in err
+    assert "task 'fits': 1 of its 1 texts are longer than max_length=8" in err
+
+
+def test_a_drafter_with_more_output_rows_needs_vocab_size(capsys, pair_dirs, odd_pairs):
+    verifier_dir, _ = pair_dirs
+    common = ["generate", "--verifier", verifier_dir, "--prompt", "count 3:", "--max-new-tokens", "3", "-k", "2"]
+    code, out, err = run_cli(capsys, *common, "--drafter", odd_pairs["rows200"])
+    assert code == 2 and out == ""
+    assert ("argument --vocab-size: the drafter has 200 output rows (token ids) and the verifier 78" in err
+            and "pass --vocab-size 78 (the tokenizer has 78 tokens)" in err)
+    code, _, err = run_cli(capsys, *common, "--drafter", odd_pairs["rows200"], "--vocab-size", "78")
+    assert code == 0, err
+    code, _, err = run_cli(capsys, *common, "--drafter", odd_pairs["rows200"], "--vocab-size", "100")
+    assert code == 2 and "--vocab-size must be an int in [1, 79)" in err
+    # the drafter's folder has the verifier's tokenizer: the extra rows are padding, nothing to pass
+    code, _, err = run_cli(capsys, *common, "--drafter", odd_pairs["rows200-same-tokenizer"])
+    assert code == 0, err
+
+
+def test_a_drafter_with_another_tokenizer_is_refused(capsys, pair_dirs, odd_pairs, tasks_file):
+    verifier_dir, _ = pair_dirs
+    code, out, err = run_cli(capsys, "evaluate", "--verifier", verifier_dir, "--drafter", odd_pairs["other-tokenizer"],
+                             "--tasks", str(tasks_file), "--no-progress")
+    assert code == 1 and out == ""
+    assert "--drafter: the drafter's tokenizer differs from the one in use" in err
+    assert "74 of the ids both have map to different tokens" in err and "Traceback" not in err
+    # --tokenizer is compared with the verifier's own tokenizer too
+    code, _, err = run_cli(capsys, "generate", "--verifier", verifier_dir, "--drafter", verifier_dir, "--tokenizer",
+                           odd_pairs["other-tokenizer"], "--prompt", "a")
+    assert code == 1 and "--tokenizer: the verifier's tokenizer differs from the one in use" in err
+
+
 def test_evaluate_bad_inputs(capsys, pair_dirs, tmp_path):
     verifier_dir, drafter_dir = pair_dirs
     common = ["--verifier", verifier_dir, "--drafter", drafter_dir]
@@ -218,6 +337,7 @@ def test_finetune_saves_a_loadable_drafter(capsys, pair_dirs, tasks_file, tmp_pa
                              "--output", str(out_dir), "--no-progress", "--method", "scdf", "--weight-basis", "kl")
     assert code == 0, err
     assert "saved the finetuned drafter" in out and "U (kl)" in out
+    assert "evaluated on 1 held-out text(s) per task, not trained on (--eval-fraction 0.1, --split-seed 0)" in out
     finetuned = AutoModelForCausalLM.from_pretrained(out_dir, local_files_only=True)
     original = AutoModelForCausalLM.from_pretrained(drafter_dir, local_files_only=True)
     assert any(not torch.equal(a, b) for a, b in zip(finetuned.parameters(), original.parameters(), strict=True))
@@ -225,6 +345,24 @@ def test_finetune_saves_a_loadable_drafter(capsys, pair_dirs, tasks_file, tmp_pa
     code, _, err = run_cli(capsys, "finetune", "--verifier", verifier_dir, "--drafter", drafter_dir, "--tasks",
                            str(tasks_file), "--steps", "1", "--output", str(out_dir), "--no-progress")
     assert code == 2 and "--overwrite" in err
+
+
+def test_finetune_evaluation_texts_and_positions(capsys, pair_dirs, odd_pairs, tasks_file, tmp_path):
+    verifier_dir, drafter_dir = pair_dirs
+    common = ["finetune", "--verifier", verifier_dir, "--drafter", drafter_dir, "--tasks", str(tasks_file), "--steps",
+              "1", "--batch-size-per-task", "2", "--seq-len", "16", "--no-progress"]
+    code, out, err = run_cli(capsys, *common, "--eval-fraction", "0", "--output", str(tmp_path / "a"))
+    assert code == 0 and "evaluated on training texts (--eval-fraction 0)" in out, err
+    code, out, err = run_cli(capsys, *common, "--eval-tasks", str(tasks_file), "--task-names", "copy",
+                             "--output", str(tmp_path / "b"))
+    assert code == 0 and f"evaluated on --eval-tasks {tasks_file}" in out, err
+    assert "| copy |" in out and "count" not in out.split("| step |")[1]  # only the task named
+    code, _, err = run_cli(capsys, *common, "--eval-fraction", "1", "--output", str(tmp_path / "c"))
+    assert code == 2 and "argument --eval-fraction: expected a number in [0, 1)" in err
+    code, _, err = run_cli(capsys, "finetune", "--verifier", odd_pairs["short-verifier"], "--drafter",
+                           odd_pairs["short-drafter"], "--tasks", str(tasks_file), "--seq-len", "100", "--output",
+                           str(tmp_path / "d"))
+    assert code == 2 and "argument --seq-len: 100 is more than the models' 64 positions" in err
 
 
 def test_finetune_bad_inputs(capsys, pair_dirs, tasks_file, tmp_path):
