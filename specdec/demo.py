@@ -6,8 +6,10 @@
    measure, and a smaller *drafter* on a skewed mixture in which ``reverse`` and ``grammar_cyrillic`` are rare, so the
    drafter is under-fit exactly there; both are cached (``save_pretrained`` plus the tokenizer) under the user's cache
    directory, keyed by a hash of the training configuration, so a second run starts at once;
-2. runs :func:`specdec.generate` on a few prompts of every task and :func:`specdec.fairness.evaluate` on held-out
-   prompts and texts, and prints the fairness table (acceptance, speed-up, cross-entropy per task; U);
+2. measures the cost ratio c on this machine (:func:`specdec.fairness.measure_decode_costs`), runs
+   :func:`specdec.generate` on a few prompts of every task and :func:`specdec.fairness.evaluate` on held-out prompts
+   and texts, and prints the fairness table (acceptance, predicted and measured wall-clock speed-up, cross-entropy
+   per task; U);
 3. finetunes a copy of the drafter with s-CDF (:func:`specdec.finetune.finetune_drafter`, verifier frozen), prints
    the table after it and, optionally, the baselines (uniform distillation, data balancing, exact-variance weights);
 4. writes ``report.md``, ``report.json`` and PNG plots to the output folder the user chose (never into the source
@@ -101,6 +103,8 @@ class DemoSettings:
     finetune_lr: float = 2e-3
     finetune_seq_len: int = 64
     num_samples_per_task: int = 4
+    wall_clock: bool = True
+    wall_clock_repeats: int = 2
 
 
 def default_settings(quick: bool = False) -> DemoSettings:
@@ -108,7 +112,7 @@ def default_settings(quick: bool = False) -> DemoSettings:
     if quick:
         return DemoSettings(num_eval_examples=4, num_finetune_examples=16, max_new_tokens=8, batch_size=4,
                             finetune_steps=2, finetune_batch_size_per_task=2, finetune_seq_len=32,
-                            num_samples_per_task=1)
+                            num_samples_per_task=1, wall_clock_repeats=1)
     return DemoSettings()
 
 
@@ -154,7 +158,8 @@ class DemoResult:
     ``before``/``after``: fairness reports of the original and the s-CDF drafter; ``baselines``: method name →
     report of the drafter finetuned with that baseline; ``comparison``: one row of headline figures per drafter;
     ``samples``: per task, a prompt, the greedy speculative output and its tokens per verifier call;
-    ``cache_hit``: the pair came from the cache (no training); ``files``: what was written.
+    ``cache_hit``: the pair came from the cache (no training); ``cost_ratio``: the
+    :class:`specdec.fairness.CostRatio` every report used (measured or given).
     """
 
     before: Any
@@ -169,6 +174,7 @@ class DemoResult:
     plot_paths: list[Path]
     timings: dict[str, float]
     pair_info: dict[str, Any]
+    cost_ratio: Any = None
 
 
 def generate_samples(pair: DemoPair, suite: Mapping[str, list[data.Example]], settings: DemoSettings, seed: int,
@@ -210,6 +216,7 @@ def run_demo(
     retrain: bool = False,
     finetune_steps: int | None = None,
     cost_ratio: float | None = None,
+    wall_clock: bool = True,
     progress: bool = True,
     echo: Callable[[str], None] | None = print,
 ) -> DemoResult:
@@ -224,14 +231,17 @@ def run_demo(
         baselines: also finetune with uniform distillation, data balancing and exact-variance weights.
         retrain: ignore a cached pair and train again.
         finetune_steps: s-CDF (and baseline) steps; default 150 (2 in quick mode).
-        cost_ratio: c = t_drafter / t_verifier for the speed-up S_T; default: the drafter/verifier parameter ratio
-            (the cost of a forward pass where it is proportional to the weights read, as on a GPU at small batch).
+        cost_ratio: c = t_drafter / t_verifier for the predicted speed-ups; default: measured on this machine, once,
+            on the decoding step of :func:`specdec.generate` (:func:`specdec.fairness.measure_decode_costs`), and
+            used for every drafter of the run.
+        wall_clock: measure each task's wall-clock speed-up of :func:`specdec.generate` over the verifier's own
+            ``generate`` for every drafter (about 15 s per drafter on 2 CPU cores).
         progress: tqdm bars. echo: where the printed story goes (None: silent).
 
     Returns:
         :class:`DemoResult`.
     """
-    from specdec.fairness import evaluate
+    from specdec.fairness import CostRatio, evaluate, measure_decode_costs
     from specdec.finetune import FinetuneConfig, finetune_drafter
 
     say = echo or (lambda _text: None)
@@ -247,8 +257,13 @@ def run_demo(
         if finetune_steps < 1:
             raise DemoError(f"finetune_steps must be >= 1, got {finetune_steps}")
         settings = DemoSettings(**{**asdict(settings), "finetune_steps": finetune_steps})
-    if cost_ratio is not None and (not math.isfinite(cost_ratio) or cost_ratio < 0):
-        raise DemoError(f"cost_ratio must be a finite number >= 0, got {cost_ratio}")
+    if cost_ratio is not None and (isinstance(cost_ratio, bool) or not isinstance(cost_ratio, (int, float))
+                                   or not math.isfinite(cost_ratio) or cost_ratio < 0):
+        raise DemoError(f"cost_ratio must be a finite number >= 0, got {cost_ratio!r}")
+    if not isinstance(wall_clock, bool):
+        raise DemoError(f"wall_clock must be True or False, got {wall_clock!r}")
+    if not wall_clock:
+        settings = DemoSettings(**{**asdict(settings), "wall_clock": False})
 
     config = default_pair_config(seed=seed, quick=quick)
     with _transformers_progress_bars(progress):  # its own bars when it loads and saves weights
@@ -257,9 +272,15 @@ def run_demo(
     info = pair.info
     say(f"demo pair: verifier {info['verifier_parameters']:,} parameters, drafter {info['drafter_parameters']:,} "
         f"parameters ({'loaded from cache' if pair.cache_hit else 'trained now'}: {pair.path})")
-    cost_ratio_given = cost_ratio is not None
     if cost_ratio is None:
-        cost_ratio = info["drafter_parameters"] / info["verifier_parameters"]
+        step_started = time.perf_counter()
+        cost = measure_decode_costs(pair.verifier, pair.drafter, batch_size=settings.batch_size,
+                                    new_tokens=max(settings.max_new_tokens, 8), temperature=settings.temperature,
+                                    seed=seed)
+        timings["cost_ratio_seconds"] = time.perf_counter() - step_started
+    else:
+        cost = CostRatio(value=float(cost_ratio), source="given")
+    say(f"cost ratio {cost.describe()}")
 
     eval_suite = data.synthetic_task_suite(settings.num_eval_examples, seed=seed, split="eval")
     step_started = time.perf_counter()
@@ -274,14 +295,16 @@ def run_demo(
     evaluation = {
         "tokenizer": pair.tokenizer, "num_draft_tokens": settings.num_draft_tokens,
         "temperature": settings.temperature, "max_new_tokens": settings.max_new_tokens,
-        "batch_size": settings.batch_size, "cost_ratio": cost_ratio, "seed": seed, "progress": progress,
-        "eos_token_id": pair.tokenizer.eos_token_id, "add_special_tokens": True,
+        "batch_size": settings.batch_size, "cost_ratio": cost, "seed": seed, "progress": progress,
+        "eos_token_id": pair.tokenizer.eos_token_id, "add_special_tokens": True, "wall_clock": settings.wall_clock,
+        "wall_clock_repeats": settings.wall_clock_repeats,
     }
     step_started = time.perf_counter()
     before = evaluate(pair.verifier, pair.drafter, eval_tasks, **evaluation)
     timings["evaluate_before_seconds"] = time.perf_counter() - step_started
-    say("\nFairness of the original drafter (teacher-forced α_T, S_T, K_T on held-out texts; α gen and tok/call "
-        "from real generate runs):\n")
+    say("\nFairness of the original drafter (teacher-forced α_T, predicted S, K_T on held-out texts; α gen and "
+        "tok/call from real generate runs" + ("; S measured: wall clock against plain decoding" if settings.wall_clock
+                                              else "") + "):\n")
     say(compact_table(before))
 
     train_texts = {task: [ex.text for ex in examples] for task, examples in data.synthetic_task_suite(
@@ -321,8 +344,9 @@ def run_demo(
 
     reports = {"original": before, "s-CDF": after, **baseline_reports}
     comparison = [headline(name, report) for name, report in reports.items()]
-    say("\nSummary (U = variance of the per-task cross-entropies K_T; S = speed-up with "
-        f"K = {settings.num_draft_tokens}, c = {cost_ratio:.3g}):\n")
+    say("\nSummary (U = variance of the per-task cross-entropies K_T; S predicted with "
+        f"K = {settings.num_draft_tokens}, c = {cost.value:.3g} ({cost.source})"
+        + ("; S measured on the wall clock" if settings.wall_clock else "") + "):\n")
     say(comparison_markdown(comparison))
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -333,11 +357,11 @@ def run_demo(
     ]
     timings["total_seconds"] = time.perf_counter() - started
     report_path = out_dir / "report.md"
-    report_path.write_text(report_markdown(pair, settings, cost_ratio, samples, reports, comparison, plot_paths,
-                                            timings, cost_ratio_given=cost_ratio_given), encoding="utf-8")
+    report_path.write_text(report_markdown(pair, settings, cost, samples, reports, comparison, plot_paths,
+                                            timings), encoding="utf-8")
     (out_dir / "report.json").write_text(json.dumps({
-        "pair": pair.info, "settings": asdict(settings), "cost_ratio": cost_ratio,
-        "cost_ratio_given": cost_ratio_given, "samples": samples,
+        "pair": pair.info, "settings": asdict(settings), **cost.summary(),
+        "parameter_ratio": info["drafter_parameters"] / info["verifier_parameters"], "samples": samples,
         "reports": {name: report.to_dict() for name, report in reports.items()}, "comparison": comparison,
         "timings": timings, "cache_hit": pair.cache_hit,
     }, indent=2, default=str), encoding="utf-8")
@@ -346,4 +370,4 @@ def run_demo(
         f"{pair.path / 'drafter'} --prompt 'count 41:'")
     return DemoResult(before=before, after=after, baselines=baseline_reports, comparison=comparison, samples=samples,
                       cache_hit=pair.cache_hit, pair_dir=pair.path, output_dir=out_dir, report_path=report_path,
-                      plot_paths=plot_paths, timings=timings, pair_info=pair.info)
+                      plot_paths=plot_paths, timings=timings, pair_info=pair.info, cost_ratio=cost)

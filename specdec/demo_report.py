@@ -7,15 +7,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specdec.fairness_report import format_number, markdown_table
+from specdec.fairness_report import format_number, mark_no_speedup, markdown_table, speed_warnings
 
 if TYPE_CHECKING:
     from specdec.demo import DemoSettings
     from specdec.demo_pair import DemoPair
+    from specdec.fairness import CostRatio
 
 
-HEADLINE_KEYS = ("U_ce", "U_kl", "alpha_mean", "alpha_min", "worst_task", "speedup_min", "speedup_max",
-                 "speedup_max_over_min", "tokens_per_call_max_over_min")
+HEADLINE_KEYS = ("U_ce", "U_kl", "alpha_mean", "alpha_min", "worst_task", "speedup_predicted_min",
+                 "speedup_predicted_max", "speedup_predicted_max_over_min", "speedup_measured_min",
+                 "speedup_measured_max", "tokens_per_call_max_over_min")
+_COMPARISON_HEADERS = ("drafter", "U (CE)", "U (KL)", "mean α", "worst α", "worst task", "S predicted min",
+                       "S predicted max", "S predicted max/min", "S measured min", "S measured max")
 
 
 def headline(name: str, report: Any) -> dict[str, Any]:
@@ -25,29 +29,35 @@ def headline(name: str, report: Any) -> dict[str, Any]:
 
 def compact_table(report: Any) -> str:
     """The per-task figures a user needs on a terminal (the full table goes to the report file)."""
-    columns = [("task", "name"), ("α_T", "alpha"), ("S_T", "speedup"), ("K_T (CE)", "cross_entropy"),
-               ("D_T (KL)", "kl"), ("H_T(p)", "entropy"), ("α gen", "alpha_measured"), ("tok/call", "tokens_per_call")]
+    columns = [("task", "name"), ("α_T", "alpha"), ("S predicted", "speedup_predicted"),
+               ("S measured", "speedup_measured"), ("K_T (CE)", "cross_entropy"), ("D_T (KL)", "kl"),
+               ("H_T(p)", "entropy"), ("α gen", "alpha_measured"), ("tok/call", "tokens_per_call")]
+    columns = [c for c in columns if c[1] == "name" or any(getattr(r, c[1]) is not None for r in report.tasks)]
     lines = markdown_table([title for title, _ in columns],
                            ([getattr(row, key) for _, key in columns] for row in report.tasks))
     summary = report.summary
     lines.append("")
     lines.append(f"U (variance of K_T) = {format_number(summary.get('U_ce'))}, U on D_T = "
-                 f"{format_number(summary.get('U_kl'))}; speed-up max/min = "
-                 f"{format_number(summary.get('speedup_max_over_min'))}; mean α = "
+                 f"{format_number(summary.get('U_kl'))}; predicted speed-up max/min = "
+                 f"{format_number(summary.get('speedup_predicted_max_over_min'))}; mean α = "
                  f"{format_number(summary.get('alpha_mean'))}, worst α = {format_number(summary.get('alpha_min'))} "
                  f"({summary.get('worst_task')})")
+    lines += speed_warnings(report.tasks)
     return "\n".join(lines) + "\n"
 
 
 def comparison_markdown(rows: list[dict[str, Any]]) -> str:
-    """A markdown table of the headline figures, one row per drafter (original, s-CDF, baselines)."""
-    headers = ["drafter", "U (CE)", "U (KL)", "mean α", "worst α", "worst task", "S min", "S max", "S max/min"]
+    """A markdown table of the headline figures, one row per drafter (original, s-CDF, baselines); the measured
+    columns appear when the wall clock was measured."""
     keys = ["drafter", *HEADLINE_KEYS[:-1]]
+    headers = list(_COMPARISON_HEADERS)
+    if not any(row.get("speedup_measured_min") is not None for row in rows):
+        keys, headers = keys[:-2], headers[:-2]
     return "\n".join(markdown_table(headers, ([row.get(key) for key in keys] for row in rows))) + "\n"
 
 
-def plot_comparison(reports: Mapping[str, Any], path: str | os.PathLike) -> Path:
-    """PNG: per-task speed-up S_T and acceptance α_T for each drafter side by side, and U (CE) per drafter."""
+def comparison_figure(reports: Mapping[str, Any]) -> Any:
+    """The matplotlib figure of :func:`plot_comparison` (the caller closes it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -55,34 +65,82 @@ def plot_comparison(reports: Mapping[str, Any], path: str | os.PathLike) -> Path
 
     names = list(reports)
     tasks = [row.name for row in next(iter(reports.values())).tasks]
+    measured = any(row.speedup_measured is not None for report in reports.values() for row in report.tasks)
+    panels = [("speedup_predicted", "predicted speed-up S(α_T, K, c) per task")]
+    if measured:
+        panels.append(("speedup_measured", "measured wall-clock speed-up per task\n(tokens/s of specdec.generate "
+                                           "over tokens/s of verifier.generate)"))
+    panels.append(("alpha", "acceptance α_T per task"))
     width = 0.8 / len(names)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), gridspec_kw={"width_ratios": [3, 3, 1.4]})
-    for panel, (attribute, title) in enumerate((("speedup", "speed-up S_T per task"),
-                                                ("alpha", "acceptance α_T per task"))):
-        ax = axes[panel]
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(5 * len(panels) + 3, 5), layout="constrained",
+                             gridspec_kw={"width_ratios": [3] * len(panels) + [1.4]})
+    for ax, (attribute, title) in zip(axes, panels, strict=False):
         for index, name in enumerate(names):
-            values = [float(getattr(reports[name].task(task), attribute) or float("nan")) for task in tasks]
-            ax.bar([i + (index - (len(names) - 1) / 2) * width for i in range(len(tasks))], values, width, label=name)
+            values = [float("nan") if getattr(reports[name].task(task), attribute) is None
+                      else float(getattr(reports[name].task(task), attribute)) for task in tasks]
+            ax.bar([i + (index - (len(names) - 1) / 2) * width for i in range(len(tasks))], values, width, label=name,
+                   color=f"C{index}")
         ax.set_xticks(range(len(tasks)))
         ax.set_xticklabels(tasks, rotation=30, ha="right", fontsize=8)
-        ax.set_title(title)
-        ax.legend(fontsize=8)
-    axes[1].set_ylim(0, 1)
-    ax = axes[2]
+        ax.set_title(title, fontsize=10)
+        if attribute == "alpha":
+            ax.set_ylim(0, 1)
+        else:
+            mark_no_speedup(ax)
+    ax = axes[-1]
     ax.bar(range(len(names)), [float(reports[name].summary.get("U_ce", float("nan"))) for name in names],
            color=[f"C{i}" for i in range(len(names))])
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
-    ax.set_title("unfairness U (variance of K_T)")
-    fig.tight_layout()
+    ax.set_title("unfairness U (variance of K_T)", fontsize=10)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside upper center", ncol=len(labels), fontsize=9)
+    return fig
+
+
+def plot_comparison(reports: Mapping[str, Any], path: str | os.PathLike) -> Path:
+    """PNG: per-task predicted and (when measured) wall-clock speed-up and acceptance α_T for each drafter side by
+    side, with a line at speed-up 1, and U (CE) per drafter; one legend above the panels."""
+    import matplotlib.pyplot as plt
+
+    fig = comparison_figure(reports)
     fig.savefig(path, format="png", dpi=100)
     plt.close(fig)
     return Path(path)
 
 
-def report_markdown(pair: DemoPair, settings: DemoSettings, cost_ratio: float, samples: Mapping[str, Any],
+def _speed_sentence(settings: DemoSettings, cost: CostRatio, info: Mapping[str, Any],
+                    reports: Mapping[str, Any]) -> str:
+    parameter_ratio = info["drafter_parameters"] / info["verifier_parameters"]
+    if cost.source == "given":
+        text = (f"\"S predicted\" is S(α_T, K, c) with the cost ratio c = {cost.value:.3g} given on the command line "
+                "(--cost-ratio). ")
+    else:
+        text = (f"\"S predicted\" is S(α_T, K, c) with c = {cost.value:.3g} measured on this machine on the decoding "
+                f"step of specdec.generate (per-repetition ratios {cost.ratio_min:.3g}–{cost.ratio_max:.3g}; one "
+                f"step {cost.drafter_step_s * 1e3:.3g} ms for the drafter, {cost.verifier_step_s * 1e3:.3g} ms for "
+                "the verifier). ")
+    text += (f"The drafter/verifier parameter ratio, {parameter_ratio:.3g}, is what c would be where a step costs in "
+             "proportion to the weights it reads (a GPU at small batch); models this small are overhead-bound on a "
+             "CPU, so c is closer to 1 here. ")
+    if settings.wall_clock:
+        measured = [row.speedup_measured for report in reports.values() for row in report.tasks
+                    if row.speedup_measured is not None]
+        text += ("\"S measured\" is the generation rate (tokens per second) of `specdec.generate` over that of the "
+                 "verifier's own `generate` on each task's held-out prompts, both with at most "
+                 f"{settings.max_new_tokens} new tokens per prompt and the tokenizer's eos, median of "
+                 f"{settings.wall_clock_repeats} timed repetitions after a warm-up")
+        if measured:
+            text += f" (from {min(measured):.3g} to {max(measured):.3g} over all tasks and drafters)"
+        text += "; below 1, speculative decoding was slower than plain decoding. "
+    else:
+        text += "The wall-clock speed-up was not measured (--no-wall-clock). "
+    return text + "Tokens per verifier call (tok/call) are measured."
+
+
+def report_markdown(pair: DemoPair, settings: DemoSettings, cost: CostRatio, samples: Mapping[str, Any],
                     reports: Mapping[str, Any], comparison: list[dict[str, Any]], plot_paths: list[Path],
-                    timings: Mapping[str, float], cost_ratio_given: bool = False) -> str:
+                    timings: Mapping[str, float]) -> str:
     """The demo's ``report.md``: the setup, the comparison table, samples, every report's full table, the plots."""
     info = pair.info
     drafter_mixture = ", ".join(f"{task} {weight:.0%}" for task, weight in
@@ -97,14 +155,10 @@ def report_markdown(pair: DemoPair, settings: DemoSettings, cost_ratio: float, s
         "",
         f"- verifier: {info['verifier_parameters']:,} parameters; drafter: {info['drafter_parameters']:,} parameters "
         f"({'loaded from the cache' if pair.cache_hit else 'trained in this run'}; `{pair.path}`)",
-        f"- K = {settings.num_draft_tokens} drafts per round, temperature {settings.temperature}, cost ratio "
-        f"c = {cost_ratio:.3g}; {settings.num_eval_examples} held-out prompts and texts per task. S_T is the "
-        + ("speed-up predicted from α_T with the cost ratio c given on the command line (--cost-ratio). "
-           if cost_ratio_given else
-           "speed-up predicted from α_T with c = the drafter/verifier parameter ratio (a cost model for hardware "
-           "where a forward pass costs in proportion to the weights it reads); models this small are overhead-bound "
-           "on a CPU, so their wall-clock gains there are smaller. ")
-        + "Tokens per verifier call (tok/call) are measured.",
+        f"- K = {settings.num_draft_tokens} drafts per round, temperature {settings.temperature}, "
+        f"cost ratio c = {cost.value:.3g} ({cost.source}); {settings.num_eval_examples} held-out prompts and texts "
+        "per task.",
+        f"- {_speed_sentence(settings, cost, info, reports)}",
         f"- s-CDF: {settings.finetune_steps} steps, {settings.finetune_batch_size_per_task} windows per task per step, "
         f"lr {settings.finetune_lr}, corrective weights on CE",
         f"- wall time: {timings.get('total_seconds', float('nan')):.0f} s",

@@ -29,6 +29,8 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> 
 class TaskFairness:
     """One task's row of the report; a figure stays None when the input it needs (texts or prompts) was not given.
 
+    Speed-ups named ``*_predicted*`` come from the cost model S = E[N] / (K c + 1); ``speedup_measured`` is timed
+    (the wall clock of :func:`specdec.generate` against the verifier's own ``generate`` on the task's prompts).
     At temperature 0 the divergences are taken at T = 1 and bound no greedy speed-up: ``bound_tv`` and
     ``bound_pinsker`` stay None. ``alpha_measured`` counts accepted over tested drafts (a draft after a rejection is
     never tested, so this estimates alpha); ``acceptance_rate`` is the raw accepted / drafted counter ratio.
@@ -39,8 +41,8 @@ class TaskFairness:
     num_texts: int = 0
     num_tokens: int = 0
     alpha: float | None = None  # alpha_T = E_s sum_x min(p, q)
-    speedup: float | None = None  # S(alpha_T)
-    speedup_prefix_mean: float | None = None  # E_s S(alpha(s))
+    speedup_predicted: float | None = None  # S(alpha_T)
+    speedup_predicted_prefix_mean: float | None = None  # E_s S(alpha(s))
     cross_entropy: float | None = None  # K_T = E H(p, q)
     kl: float | None = None  # D_T = E KL(p || q)
     tv: float | None = None  # TV_T = E TV(p, q)
@@ -51,16 +53,22 @@ class TaskFairness:
     bound_tv: float | None = None  # S(1 - TV_T)
     bound_pinsker: float | None = None  # S(max(0, 1 - sqrt(D_T / 2)))
     chars_per_token: float | None = None  # rho_T
-    char_speedup: float | None = None  # S_T rho_T / mean rho
+    char_speedup_predicted: float | None = None  # S(alpha_T) rho_T / mean rho
     # measured by speculative decoding of the task's prompts
     num_prompts: int = 0
     alpha_measured: float | None = None  # accepted / tested drafts
     acceptance_rate: float | None = None  # accepted / drafted
     tokens_per_call: float | None = None  # generated tokens per verifier call
     tokens_per_call_predicted: float | None = None  # E[N] from alpha_T
-    speedup_measured: float | None = None  # tokens_per_call / (K c + 1)
+    speedup_predicted_generation: float | None = None  # tokens_per_call / (K c + 1)
     chars_per_call: float | None = None  # characters of generated text per verifier call
-    char_speedup_measured: float | None = None  # speedup_measured rho_T / mean rho
+    char_speedup_predicted_generation: float | None = None  # speedup_predicted_generation rho_T / mean rho
+    # timed: wall clock of specdec.generate against the verifier's own generate on the task's prompts
+    speedup_measured: float | None = None  # median over repetitions of the ratio of tokens per second
+    speedup_measured_min: float | None = None  # extreme per-repetition ratios
+    speedup_measured_max: float | None = None
+    speculative_seconds: float | None = None  # median seconds of specdec.generate over the prompts
+    plain_seconds: float | None = None  # median seconds of verifier.generate over the same prompts
 
 
 @dataclass
@@ -82,23 +90,27 @@ class FairnessReport:
         return {"tasks": [asdict(row) for row in self.tasks], "summary": dict(self.summary)}
 
     def to_markdown(self) -> str:
-        """Per-task table, then the cross-task summary and any bound violations."""
-        columns = [("task", "name"), ("α_T", "alpha"), ("S_T", "speedup"), ("K_T (CE)", "cross_entropy"),
-                   ("D_T (KL)", "kl"), ("TV_T", "tv"), ("H_T(p)", "entropy"), ("r_q", "r_q"), ("r_p", "r_p"),
-                   ("S(1−TV)", "bound_tv"), ("S Pinsker", "bound_pinsker"), ("α gen", "alpha_measured"),
-                   ("tok/call", "tokens_per_call"), ("chars/call", "chars_per_call"),
-                   ("char S_T", "char_speedup")]
+        """Per-task table, what its speed-up columns mean, the cost ratio, the cross-task summary, warnings where
+        the wall clock contradicts the prediction, and any bound violations."""
+        columns = [("task", "name"), ("α_T", "alpha"), ("S predicted", "speedup_predicted"),
+                   ("S measured (min–max)", "speedup_measured"), ("K_T (CE)", "cross_entropy"), ("D_T (KL)", "kl"),
+                   ("TV_T", "tv"), ("H_T(p)", "entropy"), ("r_q", "r_q"), ("r_p", "r_p"),
+                   ("S(1−TV) bound", "bound_tv"), ("S Pinsker bound", "bound_pinsker"), ("α gen", "alpha_measured"),
+                   ("tok/call", "tokens_per_call"), ("S predicted from tok/call", "speedup_predicted_generation"),
+                   ("chars/call", "chars_per_call"), ("char S predicted", "char_speedup_predicted")]
         columns = [c for c in columns if c[1] == "name" or any(getattr(r, c[1]) is not None for r in self.tasks)]
-        lines = markdown_table([c[0] for c in columns], ([getattr(row, c[1]) for c in columns] for row in self.tasks))
+        lines = markdown_table([c[0] for c in columns], ([_cell(row, c[1]) for c in columns] for row in self.tasks))
         s = self.summary
-        lines += ["", f"K = {s.get('num_draft_tokens')}, cost ratio c = {format_number(s.get('cost_ratio'))} "
-                  f"({'measured' if s.get('cost_ratio_measured') else 'given'}), temperature = {s.get('temperature')}",
-                  ""]
+        lines += ["", *_column_notes([c[1] for c in columns], s), "", cost_ratio_line(s) + f", K = "
+                  f"{s.get('num_draft_tokens')}, temperature = {s.get('temperature')}", ""]
         keys = ["U_ce", "U_kl", "U_tv", "alpha_mean", "alpha_min", "alpha_max", "alpha_max_over_min", "alpha_std",
-                "speedup_mean", "speedup_min", "speedup_max", "speedup_max_over_min", "speedup_std", "worst_task",
-                "spearman_fitness_speedup", "alpha_measured_mean", "alpha_measured_min", "char_speedup_max_over_min",
-                "chars_per_call_max_over_min"]
+                "speedup_predicted_mean", "speedup_predicted_min", "speedup_predicted_max",
+                "speedup_predicted_max_over_min", "speedup_predicted_std", "speedup_measured_mean",
+                "speedup_measured_min", "speedup_measured_max", "speedup_measured_max_over_min", "worst_task",
+                "spearman_fitness_speedup_predicted", "alpha_measured_mean", "alpha_measured_min",
+                "char_speedup_predicted_max_over_min", "chars_per_call_max_over_min"]
         lines += [f"- {k}: {format_number(s[k])}" for k in keys if k in s]
+        lines += speed_warnings(self.tasks)
         violations = s.get("bound_violations", [])
         if violations:
             lines.append(f"- bounds checked: {len(violations)} violated")
@@ -109,9 +121,8 @@ class FairnessReport:
         lines += [f"  - {v}" for v in violations]
         return "\n".join(lines) + "\n"
 
-    def plot(self, path: str) -> str:
-        """PNG with per-task bars of alpha, speed-up (with its bounds) and K_T = H_T(p) + D_T, and a scatter of
-        drafter fitness (1 - r_q) against speed-up. Returns ``path``."""
+    def _figure(self) -> Any:
+        """The matplotlib figure of :meth:`plot` (the caller closes it)."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -123,39 +134,125 @@ class FairnessReport:
         def vals(attr: str) -> list[float]:
             return [float("nan") if getattr(r, attr) is None else float(getattr(r, attr)) for r in self.tasks]
 
-        fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+        fig, axes = plt.subplots(2, 2, figsize=(15, 9), layout="constrained")
         ax = axes[0, 0]
         ax.bar([i - 0.2 for i in x], vals("alpha"), 0.4, label="α_T (teacher-forced)")
         ax.bar([i + 0.2 for i in x], vals("alpha_measured"), 0.4, label="α (generation)")
         ax.set_title("acceptance α per task")
         ax.set_ylim(0, 1)
-        ax.legend(fontsize=8)
         ax = axes[0, 1]
-        for offset, attr, label in ((-0.3, "speedup", "S(α_T)"), (-0.1, "bound_tv", "S(1−TV_T)"),
-                                    (0.1, "bound_pinsker", "S(1−√(D_T/2))"), (0.3, "speedup_measured", "measured")):
-            ax.bar([i + offset for i in x], vals(attr), 0.2, label=label)
-        ax.set_title("speed-up per task")
-        ax.legend(fontsize=8)
+        bars = [(attr, label) for attr, label in (
+            ("speedup_predicted", "predicted S(α_T)"), ("bound_tv", "predicted bound S(1−TV_T)"),
+            ("bound_pinsker", "predicted bound S(1−√(D_T/2))"),
+            ("speedup_predicted_generation", "predicted from tok/call"),
+            ("speedup_measured", "measured (wall clock)")) if any(getattr(r, attr) is not None for r in self.tasks)]
+        width = 0.8 / max(len(bars), 1)
+        for index, (attr, label) in enumerate(bars):
+            offset = (index - (len(bars) - 1) / 2) * width
+            ax.bar([i + offset for i in x], vals(attr), width, label=label)
+            if attr == "speedup_measured":
+                low, high, mid = vals("speedup_measured_min"), vals("speedup_measured_max"), vals(attr)
+                ax.errorbar([i + offset for i in x], mid, yerr=[[m - lo for m, lo in zip(mid, low, strict=True)],
+                                                                [hi - m for m, hi in zip(mid, high, strict=True)]],
+                            fmt="none", ecolor="black", capsize=2, linewidth=0.8)
+        mark_no_speedup(ax)
+        ax.set_title(f"speed-up per task, K = {self.summary.get('num_draft_tokens')}, "
+                     f"{cost_ratio_line(self.summary, short=True)}")
         ax = axes[1, 0]
         entropy, kl = vals("entropy"), vals("kl")
         ax.bar(x, entropy, 0.6, label="H_T(p)")
         ax.bar(x, kl, 0.6, bottom=entropy, label="D_T (KL)")
         ax.set_title("K_T = H_T(p) + D_T (nats)")
-        ax.legend(fontsize=8)
         for ax in (axes[0, 0], axes[0, 1], axes[1, 0]):
             ax.set_xticks(x)
             ax.set_xticklabels(names, rotation=45, ha="right", fontsize=8)
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
         ax = axes[1, 1]
-        fit, spd = vals("fitness"), vals("speedup")
-        ax.scatter(fit, spd)
-        for name, fx, sy in zip(names, fit, spd, strict=True):
-            ax.annotate(name, (fx, sy), fontsize=8)
-        rho = self.summary.get("spearman_fitness_speedup")
-        ax.set_title(f"drafter fitness vs speed-up (Spearman {rho:.2f})" if rho is not None
+        fit = vals("fitness")
+        ax.scatter(fit, vals("speedup_predicted"), label="predicted S(α_T)")
+        if any(r.speedup_measured is not None for r in self.tasks):
+            ax.scatter(fit, vals("speedup_measured"), marker="x", label="measured (wall clock)")
+        for name, fx, sy in zip(names, fit, vals("speedup_predicted"), strict=True):
+            ax.annotate(name, (fx, sy), fontsize=8, annotation_clip=True, clip_on=True)
+        ax.margins(x=0.2)  # room for the names right of the points, inside the panel
+        mark_no_speedup(ax)
+        rho = self.summary.get("spearman_fitness_speedup_predicted")
+        ax.set_title(f"drafter fitness vs predicted speed-up (Spearman {rho:.2f})" if rho is not None
                      else "drafter fitness vs speed-up")
         ax.set_xlabel("fitness 1 − r_q")
-        ax.set_ylabel("S_T")
-        fig.tight_layout()
+        ax.set_ylabel("speed-up")
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+        return fig
+
+    def plot(self, path: str) -> str:
+        """PNG with per-task bars of alpha, speed-up (predicted, its bounds, and measured on the wall clock, with a
+        line at 1 below which decoding got slower) and K_T = H_T(p) + D_T, and a scatter of drafter fitness
+        (1 - r_q) against speed-up; legends sit beside the panels. Returns ``path``."""
+        import matplotlib.pyplot as plt
+
+        fig = self._figure()
         fig.savefig(path, format="png", dpi=100)
         plt.close(fig)
         return path
+
+
+def mark_no_speedup(ax: Any) -> None:
+    """A dashed line at speed-up 1 on ``ax``: bars below it mark a slowdown."""
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1.0, label="1 = no speed-up (below: slower)")
+
+
+def cost_ratio_line(summary: dict[str, Any], short: bool = False) -> str:
+    """How the report's cost ratio c was obtained, from its summary keys (``given``, or measured with its spread)."""
+    value = format_number(summary.get("cost_ratio"))
+    source = summary.get("cost_ratio_source")
+    if source != "measured":
+        return f"c = {value} ({source or 'given'})"
+    if short:
+        return f"c = {value} (measured)"
+    spread = (f"p20–p80 {format_number(summary.get('cost_ratio_p20'))}–{format_number(summary.get('cost_ratio_p80'))},"
+              f" min–max {format_number(summary.get('cost_ratio_min'))}–{format_number(summary.get('cost_ratio_max'))}")
+    steps = ""
+    if summary.get("drafter_step_s") is not None and summary.get("verifier_step_s") is not None:
+        steps = (f"; one step {summary['drafter_step_s'] * 1e3:.3g} ms (drafter) / "
+                 f"{summary['verifier_step_s'] * 1e3:.3g} ms (verifier)")
+    return (f"cost ratio c = {value} (measured on the decoding step of specdec.generate, "
+            f"{summary.get('cost_ratio_path')} path, batch {summary.get('cost_ratio_batch_size')}, median of "
+            f"{summary.get('cost_ratio_repeats')} repetitions; {spread}{steps})")
+
+
+def _cell(row: TaskFairness, attr: str) -> object:
+    value = getattr(row, attr)
+    if attr == "speedup_measured" and value is not None and row.speedup_measured_min is not None:
+        return (f"{format_number(value)} ({format_number(row.speedup_measured_min)}–"
+                f"{format_number(row.speedup_measured_max)})")
+    return value
+
+
+def _column_notes(attrs: Sequence[str], summary: dict[str, Any]) -> list[str]:
+    notes = {
+        "speedup_predicted": "S predicted = S(α_T, K, c) = E[N] / (K c + 1), the cost model's speed-up from the "
+                             "teacher-forced α_T",
+        "speedup_measured": "S measured = tokens per second of specdec.generate / tokens per second of the "
+                            "verifier's own generate, timed on the task's prompts with the same max_new_tokens and "
+                            "eos (with greedy decoding both emit the same tokens: the ratio of their times; median of "
+                            "the timed repetitions, min–max in brackets); below 1 speculative decoding was slower",
+        "speedup_predicted_generation": "S predicted from tok/call = measured tokens per verifier call / (K c + 1)",
+    }
+    return [f"{notes[a]}." for a in attrs if a in notes]
+
+
+def speed_warnings(rows: Sequence[TaskFairness]) -> list[str]:
+    """Lines that name the tasks where the wall clock measured a slowdown, and those where the cost model predicted
+    a speed-up above 1 that the wall clock did not show."""
+    timed = [r for r in rows if r.speedup_measured is not None]
+    lines = []
+    slower = [r.name for r in timed if r.speedup_measured < 1.0]
+    if slower:
+        lines.append(f"- measured slower than plain decoding (S measured < 1) on {len(slower)} of {len(timed)} "
+                     f"tasks: {', '.join(slower)}")
+    contradicted = [r.name for r in timed if r.speedup_predicted is not None and r.speedup_predicted > 1.0
+                    and r.speedup_measured < 1.0]
+    if contradicted:
+        lines.append(f"- warning: predicted faster (S predicted > 1) but measured slower on: {', '.join(contradicted)} "
+                     "(the cost model leaves out per-round overheads; see S measured)")
+    return lines

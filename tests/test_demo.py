@@ -47,7 +47,20 @@ def test_report_and_plots_are_written_where_asked(first_run):
         assert path.parent == result.output_dir
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [row["drafter"] for row in result.comparison] == ["original", "s-CDF"]
-    assert "parameter ratio" in text and "--cost-ratio" not in text  # c was not given: the parameter ratio
+    # c was not given: measured once on this machine, and said so everywhere (text, JSON, every report)
+    assert result.cost_ratio.source == "measured"
+    assert f"cost ratio c = {result.cost_ratio.value:.3g} (measured)" in text
+    assert "(given)" not in text and "--cost-ratio" not in text
+    saved = json.loads((result.output_dir / "report.json").read_text(encoding="utf-8"))
+    assert saved["cost_ratio_source"] == "measured" and saved["cost_ratio"] == result.cost_ratio.value
+    for report in saved["reports"].values():
+        assert report["summary"]["cost_ratio_source"] == "measured"
+        assert report["summary"]["cost_ratio"] == saved["cost_ratio"]
+    # the wall clock is measured per task beside the prediction, in the tables, the JSON and the comparison
+    assert all(row.speedup_measured is not None and row.speedup_predicted is not None for row in result.before.tasks)
+    assert "S measured" in text and "S predicted" in text and '"S measured" is the generation rate' in text
+    assert saved["reports"]["original"]["tasks"][0]["speedup_measured"] is not None
+    assert all(row["speedup_measured_min"] is not None for row in result.comparison)
     assert set(result.samples) == set(demo.data.TASK_NAMES)
     assert {row.name for row in result.before.tasks} == set(demo.data.TASK_NAMES)
 
@@ -63,14 +76,20 @@ def test_second_run_reuses_the_cached_pair(first_run, monkeypatch):
 
     monkeypatch.setattr(demo_pair, "train_language_model", no_training)
     again = demo.run_demo(root / "report-2", cache_dir=root / "cache", quick=True, progress=False, echo=None,
-                          baselines=True, cost_ratio=0.05)
+                          baselines=True, cost_ratio=0.05, wall_clock=False)
     assert again.cache_hit and again.pair_dir == result.pair_dir
     assert [row["drafter"] for row in again.comparison] == ["original", "s-CDF", *demo.BASELINE_METHODS]
     assert again.pair_info["cache_key"] == result.pair_info["cache_key"]
     # Same pair, same seed: the measured figures are reproduced.
     assert again.before.summary["U_ce"] == pytest.approx(result.before.summary["U_ce"], rel=1e-6)
     text = again.report_path.read_text(encoding="utf-8")
-    assert "c = 0.05" in text and "--cost-ratio" in text and "parameter ratio" not in text
+    assert "c = 0.05 (given)" in text and "--cost-ratio" in text and "(measured" not in text
+    saved = json.loads((again.output_dir / "report.json").read_text(encoding="utf-8"))
+    assert saved["cost_ratio_source"] == "given" and saved["cost_ratio"] == 0.05
+    assert all(report["summary"]["cost_ratio_source"] == "given" for report in saved["reports"].values())
+    # without the wall clock nothing claims to be measured speed
+    assert all(row.speedup_measured is None for row in again.before.tasks)
+    assert "S measured" not in text and "not measured (--no-wall-clock)" in text
 
 
 def test_an_unusable_output_dir_is_refused_before_any_work(tmp_path, monkeypatch):

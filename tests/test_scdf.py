@@ -112,7 +112,7 @@ def test_scdf_lowers_unfairness_without_levelling_down(case):
                          "prompts": [t[:6] for t in make_texts(name, 4, seed=300 + i)]}
                   for i, name in enumerate(RANGES)}
     eval_kwargs = dict(num_draft_tokens=4, temperature=1.0, max_new_tokens=12, batch_size=8, cost_ratio=0.1,
-                       progress=False)
+                       progress=False, wall_clock=False)
     verifier_state = {k: v.clone() for k, v in verifier.state_dict().items()}
 
     before = evaluate(verifier, drafter0, eval_tasks, **eval_kwargs)
