@@ -5,6 +5,7 @@ and ``specdec.divergence`` are the fused kernels behind it and behind the fairne
 """
 
 from specdec import fairness, finetune, losses
+from specdec.compat import SpecdecWarning
 from specdec.divergences import (
     DivergenceOutput,
     PerTaskDivergence,
@@ -27,6 +28,7 @@ __all__ = [
     "FairnessReport",
     "FinetuneConfig",
     "FinetuneResult",
+    "SpecdecWarning",
     "TaskData",
     "TaskFairness",
     "evaluate",

@@ -135,10 +135,16 @@ def _existing_file(text: str) -> Path:
     return path
 
 
-def _add_model_options(parser: argparse.ArgumentParser) -> None:
+def _add_model_options(parser: argparse.ArgumentParser, *, finetuning: bool = False) -> None:
     group = parser.add_argument_group("models (Hugging Face ids already in the local cache, or local folders)")
     group.add_argument("--verifier", required=True, help="the large model whose outputs are kept")
-    group.add_argument("--drafter", required=True, help="the small model that proposes tokens")
+    drafter = group.add_mutually_exclusive_group(required=True)
+    drafter.add_argument("--drafter", help="the small model that proposes tokens")
+    drafter.add_argument("--self-drafter", type=_positive_int, default=None, metavar="N",
+                         help="use the verifier's first N layers with its final norm and head as the drafter "
+                              + ("(a copy, which is finetuned and saved)" if finetuning
+                                 else "(shared weights: no extra memory)"))
+    parser.set_defaults(self_drafter_copy=finetuning)
     group.add_argument("--tokenizer", default=None, help="tokenizer id or folder (default: the verifier's)")
     group.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
     group.add_argument("--dtype", default="auto", choices=DTYPES,
@@ -284,7 +290,7 @@ def _check_tokenizers(args: argparse.Namespace, tokenizer: Any) -> bool:
     from specdec.compat import SpecdecWarning, tokenizer_difference
 
     used = args.tokenizer or args.verifier
-    matched = {"verifier": args.tokenizer is None, "drafter": False}
+    matched = {"verifier": args.tokenizer is None, "drafter": args.drafter is None}  # (a self-drafter's is its own)
     for role, name in (("verifier", args.verifier), ("drafter", args.drafter)):
         if matched[role] or not _has_tokenizer(name):
             continue
@@ -317,7 +323,15 @@ def _load_pair(args: argparse.Namespace) -> tuple[Any, Any, Any, int | None]:
     tokenizer = load_tokenizer(args.tokenizer or args.verifier)
     same_tokenizer = _check_tokenizers(args, tokenizer)
     verifier = load_causal_lm(args.verifier, "verifier", device, args.dtype)
-    drafter = load_causal_lm(args.drafter, "drafter", device, args.dtype)
+    if args.drafter is None:
+        from specdec.self_drafter import layer_skip_drafter
+
+        try:
+            drafter = layer_skip_drafter(verifier, args.self_drafter, share_weights=not args.self_drafter_copy)
+        except (TypeError, ValueError) as error:
+            raise UsageError(f"argument --self-drafter: {error}") from None
+    else:
+        drafter = load_causal_lm(args.drafter, "drafter", device, args.dtype)
     try:
         vocab_size = resolve_vocab_size(verifier, drafter, args.vocab_size, tokenizer=tokenizer,
                                         same_tokenizer=same_tokenizer, option="--vocab-size")
@@ -625,7 +639,7 @@ def build_parser() -> argparse.ArgumentParser:
                "down), uniform_kd (distillation on the pooled data), balanced (equal task sampling)\n\n"
                "example:\n  specdec finetune --verifier ./big --drafter ./small --tasks tasks.jsonl --steps 200 "
                "--output ./small-scdf")
-    _add_model_options(finetune)
+    _add_model_options(finetune, finetuning=True)
     finetune.add_argument("--tasks", type=_task_source, required=True, help="training texts: " + _TASKS_HELP)
     finetune.add_argument("--task-names", type=_name_list, default=None, metavar="NAMES",
                           help=_TASK_NAMES_HELP + "; applies to --eval-tasks too")

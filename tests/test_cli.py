@@ -462,3 +462,44 @@ def test_demo_refuses_the_source_tree_and_bad_options(capsys, tmp_path):
     a_file.write_text("x", encoding="utf-8")
     code, _, err = run_cli(capsys, "demo", "--quick", "--cache-dir", str(a_file), "--output-dir", str(tmp_path / "r"))
     assert code == 2 and "--cache-dir" in err and "exists and is not a folder" in err
+
+
+@pytest.fixture(scope="module")
+def deep_verifier_dir(tmp_path_factory) -> str:
+    """A three-layer verifier (with the tokenizer): room for a layer-skip self-drafter."""
+    root = tmp_path_factory.mktemp("deep")
+    tokenizer = data.build_char_tokenizer()
+    verifier = tiny_llama(vocab_size=len(tokenizer), hidden_size=32, num_layers=3, seed=4, init_std=0.3)
+    verifier.save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    return str(root)
+
+
+def test_self_drafter_generates_the_verifiers_tokens_and_finetunes_a_copy(capsys, deep_verifier_dir, tasks_file,
+                                                                          tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    code, out, err = run_cli(capsys, "generate", "--verifier", deep_verifier_dir, "--self-drafter", "1", "--prompt",
+                             "count 3:", "-k", "3", "--max-new-tokens", "8", "--json")
+    assert code == 0, err
+    tokenizer = AutoTokenizer.from_pretrained(deep_verifier_dir)
+    verifier = AutoModelForCausalLM.from_pretrained(deep_verifier_dir).eval()
+    ids = tokenizer("count 3:", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        reference = verifier.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                                      pad_token_id=tokenizer.pad_token_id)
+    assert json.loads(out.splitlines()[0])["completion"] == tokenizer.decode(reference[0, ids.shape[1]:],
+                                                                             skip_special_tokens=True)
+    out_dir = tmp_path / "self-drafter"
+    code, out, err = run_cli(capsys, "finetune", "--verifier", deep_verifier_dir, "--self-drafter", "2", "--tasks",
+                             str(tasks_file), "--steps", "1", "--batch-size-per-task", "2", "--seq-len", "16",
+                             "--output", str(out_dir), "--no-progress")
+    assert code == 0, err
+    saved = AutoModelForCausalLM.from_pretrained(out_dir, local_files_only=True)
+    assert saved.config.num_hidden_layers == 2
+    unchanged = AutoModelForCausalLM.from_pretrained(deep_verifier_dir, local_files_only=True)
+    assert all(torch.equal(a, b) for a, b in zip(unchanged.parameters(), verifier.parameters(), strict=True))
+    for options, message in ((["--self-drafter", "3"], "argument --self-drafter: num_layers must be an integer in"),
+                             (["--self-drafter", "1", "--drafter", deep_verifier_dir], "not allowed with argument")):
+        code, _, err = run_cli(capsys, "generate", "--verifier", deep_verifier_dir, "--prompt", "a", *options)
+        assert code == 2 and message in err and "Traceback" not in err
