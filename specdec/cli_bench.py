@@ -32,7 +32,7 @@ def add_bench_parser(commands: Any, existing_path: Callable[[str], Path]) -> arg
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run benchmarks/bench_rejection.py and benchmarks/bench_divergence.py of a source checkout of "
                     "specdec on a CUDA GPU. Arguments after -- are passed to the scripts.",
-        epilog="examples:\n  specdec bench --quick\n  specdec bench divergence -- --sweep\n"
+        epilog="examples:\n  specdec bench --quick\n  specdec bench divergence -- --no-fused\n"
                "  specdec bench --cpu-smoke     (no GPU: time the torch references on small shapes)\n\n"
                "The benchmarks are not installed with the package: in a checkout, run\n  " + CHECKOUT_COMMAND)
     bench.add_argument("which", nargs="?", default="all", choices=("all", *BENCHMARKS),

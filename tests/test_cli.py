@@ -391,8 +391,8 @@ def test_bench_dry_run_lists_the_scripts(capsys):
     code, out, err = run_cli(capsys, "bench", "--dry-run", "--quick")
     assert code == 0, err
     assert "bench_rejection.py --quick" in out and "bench_divergence.py --quick" in out
-    code, out, _ = run_cli(capsys, "bench", "divergence", "--dry-run", "--", "--sweep")
-    assert code == 0 and "bench_divergence.py --sweep" in out and "bench_rejection" not in out
+    code, out, _ = run_cli(capsys, "bench", "divergence", "--dry-run", "--", "--no-fused")
+    assert code == 0 and "bench_divergence.py --no-fused" in out and "bench_rejection" not in out
 
 
 def test_bench_without_gpu_explains_and_cpu_smoke_runs(capsys):
@@ -402,7 +402,7 @@ def test_bench_without_gpu_explains_and_cpu_smoke_runs(capsys):
     code, out, err = run_cli(capsys, "bench", "--cpu-smoke")
     assert code == 0, err
     assert "| divergence |" in out and "rejection_sample" in out
-    for extra in (["divergence"], ["--quick"], ["--dry-run"], ["--", "--sweep"]):
+    for extra in (["divergence"], ["--quick"], ["--dry-run"], ["--", "--no-fused"]):
         code, _, err = run_cli(capsys, "bench", "--cpu-smoke", *extra)
         assert code == 2 and "--cpu-smoke" in err
 
