@@ -235,7 +235,7 @@ def run_demo(
             on the decoding step of :func:`specdec.generate` (:func:`specdec.fairness.measure_decode_costs`), and
             used for every drafter of the run.
         wall_clock: measure each task's wall-clock speed-up of :func:`specdec.generate` over the verifier's own
-            ``generate`` for every drafter (about 15 s per drafter on 2 CPU cores).
+            ``generate`` for every drafter (about 10 s per drafter with one CPU thread).
         progress: tqdm bars. echo: where the printed story goes (None: silent).
 
     Returns:
@@ -286,7 +286,8 @@ def run_demo(
     step_started = time.perf_counter()
     samples = generate_samples(pair, eval_suite, settings, seed, progress)
     timings["samples_seconds"] = time.perf_counter() - step_started
-    say("\nGreedy speculative decoding, one prompt per task (tokens per verifier call over the task's prompts):")
+    say(f"\nGreedy speculative decoding, one prompt per task (tokens per verifier call over the task's first "
+        f"{settings.num_samples_per_task} prompts):")
     for task, sample in samples.items():
         say(f"  {task:17s} {sample['tokens_per_verifier_call']:.2f} tok/call  "
             f"{sample['prompt']!r} -> {sample['output']!r}")

@@ -170,6 +170,9 @@ def report_markdown(pair: DemoPair, settings: DemoSettings, cost: CostRatio, sam
         "",
         "## Samples (greedy `specdec.generate`)",
         "",
+        f"One prompt per task; tok/call is the tokens per verifier call over the task's first "
+        f"{settings.num_samples_per_task} prompts.",
+        "",
     ]
     sample_rows = ([task, *(f"`{sample[key]!r}`" for key in ("prompt", "output", "expected")),
                     f"{sample['tokens_per_verifier_call']:.2f}"] for task, sample in samples.items())

@@ -236,8 +236,8 @@ class CostRatio:
         return (f"c = {self.value:.4g} (measured: median of {self.repeats} timed repetitions of one decoding step of "
                 f"specdec.generate, {self.path} path, batch {self.batch_size}; drafter "
                 f"{self.drafter_step_s * 1e3:.3g} ms, verifier {self.verifier_step_s * 1e3:.3g} ms per step; "
-                f"per-repetition ratios p20-p80 {self.ratio_p20:.4g}-{self.ratio_p80:.4g}, "
-                f"min-max {self.ratio_min:.4g}-{self.ratio_max:.4g})")
+                f"per-repetition ratios p20–p80 {self.ratio_p20:.4g}–{self.ratio_p80:.4g}, "
+                f"min–max {self.ratio_min:.4g}–{self.ratio_max:.4g})")
 
 
 @dataclass(frozen=True)
@@ -246,8 +246,8 @@ class WallClockSpeedup:
     prompts with the same ``max_new_tokens`` and eos.
 
     ``speedup`` is the median over ``repeats`` repetitions of the ratio of generation rates, (speculative_tokens /
-    t_speculative) / (plain_tokens / t_plain); each repetition times every batch once with each method and repeats
-    the same work (same seeds), so the token counts are those of every repetition. Greedy decoding emits the same
+    t_speculative) / (plain_tokens / t_plain). Each repetition times every batch once with each method and redoes the
+    same work (same seeds), so one pair of token counts serves every repetition. Greedy decoding emits the same
     tokens both ways, so the ratio is then t_plain / t_speculative. ``speculative_s`` and ``plain_s`` are the median
     seconds of one repetition; ``speedup_min`` and ``speedup_max`` the extreme per-repetition ratios. Below 1,
     speculative decoding was slower.

@@ -3,7 +3,10 @@
 With per-position acceptance probability alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q) and K drafts per round:
 
 * expected tokens per verifier call  E[N] = (1 - alpha^(K+1)) / (1 - alpha)   (K + 1 at alpha = 1)
-* speed-up with cost ratio c = t_drafter / t_verifier   S = E[N] / (K c + 1)
+* predicted speed-up with cost ratio c = t_drafter / t_verifier   S = E[N] / (K c + 1): the cost model counts a round
+  as K drafter steps and one verifier step and leaves out everything else a round costs (sampling, bookkeeping, the
+  verifier's longer call), so a measured wall-clock speed-up (:func:`specdec.fairness.measure_wall_clock_speedup`)
+  can be well below it, as it is for small models on a CPU
 * P(n accepted drafts) for position-wise acceptance a_1..a_K:
   (prod_{i<=n} a_i)(1 - a_{n+1}) for n < K, and prod_i a_i for n = K.
 """
@@ -60,9 +63,11 @@ def expected_tokens_per_call(alpha: TensorOrFloat, num_draft_tokens: int) -> Ten
 
 
 def speedup(alpha: TensorOrFloat, num_draft_tokens: int, cost_ratio: float) -> TensorOrFloat:
-    """S(alpha) = (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)): wall-clock speed-up over plain decoding.
+    """S(alpha) = (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)): the speed-up over plain decoding that the cost model
+    predicts (a round costs K drafter steps and one verifier step; nothing else).
 
-    cost_ratio: c = t_drafter / t_verifier >= 0 (time of one drafter forward over one verifier forward).
+    cost_ratio: c = t_drafter / t_verifier >= 0 (time of one drafter decoding step over one verifier step;
+    :func:`specdec.fairness.measure_decode_costs` measures it).
     """
     if isinstance(cost_ratio, bool) or not (
             isinstance(cost_ratio, (int, float)) and math.isfinite(cost_ratio) and cost_ratio >= 0):

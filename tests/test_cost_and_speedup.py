@@ -86,7 +86,7 @@ def test_cost_ratio_follows_the_models(models):
     assert deeper.drafter_step_s > 0 and deeper.verifier_step_s > deeper.drafter_step_s
     assert deeper.source == "measured" and deeper.repeats == 5 and deeper.batch_size == 2
     assert isinstance(measure_cost_ratio(verifier, drafter, repeats=2), float)
-    assert "measured" in deeper.describe() and "p20-p80" in deeper.describe()
+    assert "measured" in deeper.describe() and "p20–p80" in deeper.describe()
 
 
 def test_a_given_cost_ratio_wins_and_is_labelled_given(models, monkeypatch):
