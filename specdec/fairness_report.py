@@ -172,9 +172,13 @@ class FairnessReport:
         ax.scatter(fit, vals("speedup_predicted"), label="predicted S(α_T)")
         if any(r.speedup_measured is not None for r in self.tasks):
             ax.scatter(fit, vals("speedup_measured"), marker="x", label="measured (wall clock)")
+        finite = [f for f in fit if not math.isnan(f)]
+        middle = (min(finite) + max(finite)) / 2 if finite else 0.0
         for name, fx, sy in zip(names, fit, vals("speedup_predicted"), strict=True):
-            ax.annotate(name, (fx, sy), fontsize=8, annotation_clip=True, clip_on=True)
-        ax.margins(x=0.2)  # room for the names right of the points, inside the panel
+            right_half = fx > middle  # names point inward, so none runs past the panel's edge
+            ax.annotate(name, (fx, sy), xytext=(-4 if right_half else 4, 4), textcoords="offset points",
+                        ha="right" if right_half else "left", fontsize=8)
+        ax.margins(x=0.1)
         mark_no_speedup(ax)
         rho = self.summary.get("spearman_fitness_speedup_predicted")
         ax.set_title(f"drafter fitness vs predicted speed-up (Spearman {rho:.2f})" if rho is not None
@@ -199,6 +203,9 @@ class FairnessReport:
 def mark_no_speedup(ax: Any) -> None:
     """A dashed line at speed-up 1 on ``ax``: bars below it mark a slowdown."""
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1.0, label="1 = no speed-up (below: slower)")
+    low, high = ax.get_ylim()
+    if high < 1.1:  # keep the line inside the panel, clear of its frame
+        ax.set_ylim(low, 1.1)
 
 
 def cost_ratio_line(summary: dict[str, Any], short: bool = False) -> str:
