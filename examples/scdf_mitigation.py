@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> dict:
         s = report.summary
         results[method] = {"U": s[f"U_{args.weight_basis}"], "U_ce": s["U_ce"], "U_kl": s["U_kl"],
                            "mean_alpha": s["alpha_mean"], "worst_alpha": s["alpha_min"], "worst_task": s["worst_task"],
-                           "mean_speedup": s["speedup_mean"], "worst_speedup": s["speedup_min"], "history": history}
+                           "mean_speedup": s["speedup_predicted_mean"], "worst_speedup": s["speedup_predicted_min"],
+                           "history": history}
         del drafter
     if rank != 0:
         return results

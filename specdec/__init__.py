@@ -13,7 +13,17 @@ from specdec.divergences import (
     divergence_loss,
     fused_linear_divergence_loss,
 )
-from specdec.fairness import FairnessReport, TaskData, TaskFairness, evaluate, unfairness
+from specdec.fairness import (
+    CostRatio,
+    FairnessReport,
+    TaskData,
+    TaskFairness,
+    WallClockSpeedup,
+    evaluate,
+    measure_decode_costs,
+    measure_wall_clock_speedup,
+    unfairness,
+)
 from specdec.finetune import CheckpointError, FinetuneConfig, FinetuneResult, finetune_drafter
 from specdec.generate import GenerateOutput, SpecDecodeStats, clear_static_caches, generate
 from specdec.losses import scdf_loss, scdf_weights
@@ -25,12 +35,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "CostRatio",
     "FairnessReport",
     "FinetuneConfig",
     "FinetuneResult",
     "SpecdecWarning",
     "TaskData",
     "TaskFairness",
+    "WallClockSpeedup",
     "evaluate",
     "fairness",
     "finetune",
@@ -54,6 +66,8 @@ __all__ = [
     "filter_logits",
     "generate",
     "layer_skip_drafter",
+    "measure_decode_costs",
+    "measure_wall_clock_speedup",
     "rejection_sample",
     "speedup",
 ]

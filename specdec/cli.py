@@ -468,7 +468,8 @@ def command_evaluate(args: argparse.Namespace) -> int:
         temperature=args.temperature, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
         max_examples=args.max_examples, cost_ratio=args.cost_ratio, seed=args.seed, progress=not args.no_progress,
         backend=args.backend, max_length=max_length, eos_token_id=tokenizer.eos_token_id, vocab_size=vocab_size,
-        add_special_tokens=not args.no_special_tokens,
+        add_special_tokens=not args.no_special_tokens, wall_clock=args.wall_clock,
+        wall_clock_repeats=args.wall_clock_repeats,
     )
     print(report.to_markdown())
     written = _write_report(report, args.output_dir, f"specdec fairness report: {args.tasks}")
@@ -536,12 +537,15 @@ def command_finetune(args: argparse.Namespace) -> int:
 
 def command_demo(args: argparse.Namespace) -> int:
     """The offline demo (see :mod:`specdec.demo`)."""
+    import torch
+
     from specdec.demo import run_demo
 
+    torch.set_num_threads(args.threads)
     result = run_demo(
         output_dir=args.output_dir, cache_dir=args.cache_dir, quick=args.quick, seed=args.seed,
         baselines=args.baselines, retrain=args.retrain, finetune_steps=args.finetune_steps,
-        cost_ratio=args.cost_ratio, progress=not args.no_progress,
+        cost_ratio=args.cost_ratio, wall_clock=args.wall_clock, progress=not args.no_progress,
     )
     print(f"done in {result.timings['total_seconds']:.0f} s "
           f"({'pair loaded from the cache' if result.cache_hit else 'pair trained and cached'})")
@@ -627,7 +631,13 @@ def build_parser() -> argparse.ArgumentParser:
                                f"with a warning (default: {DEFAULT_MAX_LENGTH}, or the models' positions if fewer)")
     _add_decoding_options(evaluate, temperature=1.0, max_new_tokens=32)
     evaluate.add_argument("--cost-ratio", type=_non_negative_float, default=None,
-                          help="c = drafter time / verifier time per forward (default: measured)")
+                          help="c = drafter step time / verifier step time for the predicted speed-ups (default: "
+                               "measured on specdec.generate's decoding step, reported with its spread)")
+    evaluate.add_argument("--no-wall-clock", dest="wall_clock", action="store_false",
+                          help="skip the measured wall-clock speed-up (specdec.generate against the verifier's own "
+                               "generate on the same prompts; costs repeats + 1 more generation passes of each)")
+    evaluate.add_argument("--wall-clock-repeats", type=_positive_int, default=3, metavar="N",
+                          help="timed repetitions of the wall-clock measurement (default: 3)")
     evaluate.add_argument("--output-dir", type=Path, default=None,
                           help="write report.md, report.json and report.png here")
     _add_input_options(evaluate, "texts")
@@ -702,7 +712,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--retrain", action="store_true", help="train the pair again even if it is cached")
     demo.add_argument("--finetune-steps", type=_positive_int, default=None, help="s-CDF steps (default: 150)")
     demo.add_argument("--cost-ratio", type=_non_negative_float, default=None,
-                      help="c for the speed-up (default: drafter/verifier parameter ratio)")
+                      help="c for the predicted speed-ups (default: measured on this machine)")
+    demo.add_argument("--threads", type=_positive_int, default=1,
+                      help="torch CPU threads; more threads than idle cores slow the tiny models down many times "
+                           "over (default: 1)")
+    demo.add_argument("--no-wall-clock", dest="wall_clock", action="store_false",
+                      help="skip the measured wall-clock speed-ups (saves about 10 s per drafter)")
     demo.add_argument("--quick", action="store_true", help="tiny models and steps, for smoke tests only")
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser

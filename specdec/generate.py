@@ -349,6 +349,7 @@ def _decode_static(verifier, drafter, input_ids, attention_mask, max_new_tokens,
     device = input_ids.device
     sampling = Sampling(greedy=temperature == 0, top_k=top_k, top_p=top_p)
     use_graphs = device.type == "cuda"
+    setup_start = time.perf_counter()
     try:
         engine, _ = get_engine(verifier, drafter, batch, prompt_len + max_new_tokens + max_drafts + 1, vocab,
                                max_drafts, len(eos_ids), device, backend, use_graphs, compile_models)
@@ -358,6 +359,7 @@ def _decode_static(verifier, drafter, input_ids, attention_mask, max_new_tokens,
         clear_engines()
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         raise _CaptureError(f"static path unavailable ({type(error).__name__}: {first_line})") from error
+    setup_seconds = time.perf_counter() - setup_start  # engine and captures of this call (0 when reused)
     run = decode_static(engine, input_ids, attention_mask, max_new_tokens=max_new_tokens,
                         draft_lengths=draft_lengths, sampling=sampling, temperature=temperature, eos_ids=eos_ids,
                         row_seeds=row_seeds, draft_seeds=draft_seeds, on_emit=on_emit)
@@ -366,4 +368,4 @@ def _decode_static(verifier, drafter, input_ids, attention_mask, max_new_tokens,
     tokens = torch.where(index < run.generated[:, None], tokens, pad)
     return DecodeResult(tokens.clone(), run.generated.clone(), {k: v.clone() for k, v in run.counters.items()},
                         run.accepted_per_position.clone(), run.attempted_per_position.clone(), run.draft_lengths,
-                        run.setup_seconds)
+                        setup_seconds + run.setup_seconds)

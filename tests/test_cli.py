@@ -222,7 +222,15 @@ def test_evaluate_writes_the_report(capsys, pair_dirs, tasks_file, tmp_path):
     assert "| count |" in out and "| copy |" in out and "U_ce" in out
     for name in ("report.md", "report.json", "report.png"):
         assert (out_dir / name).stat().st_size > 0
-    assert {row["name"] for row in json.loads((out_dir / "report.json").read_text())["tasks"]} == {"count", "copy"}
+    report = json.loads((out_dir / "report.json").read_text())
+    assert {row["name"] for row in report["tasks"]} == {"count", "copy"}
+    assert all(row["speedup_measured"] > 0 for row in report["tasks"]), "the wall clock is measured by default"
+    code, out, err = run_cli(capsys, "evaluate", "--verifier", verifier_dir, "--drafter", drafter_dir, "--tasks",
+                             str(tasks_file), "--max-new-tokens", "4", "--cost-ratio", "0.5", "--no-progress",
+                             "--no-wall-clock", "--output-dir", str(tmp_path / "fast"))
+    assert code == 0, err
+    fast = json.loads((tmp_path / "fast" / "report.json").read_text())
+    assert all(row["speedup_measured"] is None for row in fast["tasks"])
 
 
 def test_evaluate_tsv_and_mgsm_folder(capsys, pair_dirs, tmp_path):
