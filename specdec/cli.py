@@ -399,6 +399,9 @@ def command_generate(args: argparse.Namespace) -> int:
                          f"(they have {ids})")
     device = next(verifier.parameters()).device
     totals = {"generated": 0, "verifier_calls": 0, "drafted": 0, "accepted": 0, "wall_time_s": 0.0}
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(prompts), desc="specdec generate", unit="prompt", disable=args.no_progress or len(prompts) < 2)
     for start in range(0, len(prompts), args.batch_size):
         chunk = prompts[start:start + args.batch_size]
         batch = tokenizer(chunk, add_special_tokens=not args.no_special_tokens, padding=True, return_tensors="pt")
@@ -431,6 +434,8 @@ def command_generate(args: argparse.Namespace) -> int:
         for key in ("generated", "verifier_calls", "drafted", "accepted"):
             totals[key] += int(getattr(stats, key).sum())
         totals["wall_time_s"] += stats.wall_time_s
+        bar.update(len(chunk))
+    bar.close()
     summary = (f"{len(prompts)} prompt(s): {totals['generated']} tokens, "
                f"{totals['generated'] / max(totals['verifier_calls'], 1):.2f} tokens per verifier call, acceptance "
                f"{totals['accepted'] / max(totals['drafted'], 1):.3f}, {totals['wall_time_s']:.2f} s")
@@ -609,7 +614,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="nucleus sampling mass in (0, 1], 1 = off (default: 1.0)")
     generate.add_argument("--eos-token-id", type=_non_negative_int, default=None,
                           help="stop token (default: the tokenizer's)")
-    _add_input_options(generate, "prompts", progress=False)
+    _add_input_options(generate, "prompts")
     generate.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
 
     evaluate = _subcommand(

@@ -159,6 +159,7 @@ def test_generate_prompts_file_and_sampling_options(capsys, pair_dirs, tmp_path)
                              "--seed", "3", "--max-new-tokens", "4", "--batch-size", "1", "--dtype", "float32")
     assert code == 0, err
     assert "### prompt 1: 'the fox'" in out and "### prompt 2" in out and "2 prompt(s)" in out
+    assert "specdec generate: 100%" in err and "2/2" in err, "a progress bar over the prompts"
 
 
 @pytest.mark.parametrize("options, message", [
