@@ -13,6 +13,14 @@ and in ``omega`` (``K_i``: task i's mean CE on the minibatch, ``N_i`` its token 
 * ``"uniform_kd"``: DistillSpec-style KD on the natural mixture: ``batch_size_per_task * m`` windows drawn uniformly
   from the pooled texts, ``omega_n = 1 / N``.
 
+Per character (``per_character=True``, with ``"scdf"`` or ``"exact_variance"``): tokens are not the unit a reader
+feels, so the weights are taken on nats per character. With ``rho_i`` the characters per token of task i (from its
+texts and the tokenizer, or given as ``chars_per_token``), the per-task values become ``v_i / rho_i`` (e.g. the
+misfit per character ``D_i / rho_i`` on the KL basis), the corrective weights ``w_i = v_i / rho_i - min_j v_j / rho_j
++ weight_floor`` (``v_i / rho_i - mean_j v_j / rho_j`` for exact variance), and the objective the per-character
+cross-entropy ``sum_i w_i K_i / rho_i``, i.e. ``omega_n = w_i / (rho_i N_i)``. With every ``rho_i = 1`` it is the
+per-token run exactly.
+
 Under ``torch.distributed`` (e.g. ``torchrun``) the drafter is wrapped in DDP; every process draws the same global
 minibatch and keeps its slice (rows ``rank::world_size``), per-task sums and counts are all-reduced before the weights
 are computed, and each process backpropagates ``world_size * sum_{n local} omega_n H_n``, so the DDP gradient average
@@ -53,7 +61,14 @@ from specdec.finetune_checkpoint import (
     tasks_digest,
 )
 from specdec.losses import scdf_weights, token_weights_unchecked
-from specdec.teacher_forcing import encode_items, pad_batch, prefix_logits, prefix_rows, task_divergences
+from specdec.teacher_forcing import (
+    decoded_length,
+    encode_items,
+    pad_batch,
+    prefix_logits,
+    prefix_rows,
+    task_divergences,
+)
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -71,6 +86,7 @@ __all__ = [
 
 METHODS = ("scdf", "exact_variance", "uniform_kd", "balanced")
 WEIGHT_BASES = ("ce", "kl", "tv")
+PER_CHARACTER_METHODS = ("scdf", "exact_variance")
 
 
 @dataclass(frozen=True)
@@ -115,6 +131,10 @@ class FinetuneConfig:
         seed (int, default 0): in [0, 2**64), seeds the minibatch sampler.
         backend (str, default ``"auto"``): ``"auto"`` | ``"triton"`` | ``"torch"``, the divergence kernels.
         autocast (bool | None, default None): bf16 autocast of the forward passes; None turns it on on CUDA only.
+        per_character (bool, default False): take the corrective (or exact-variance) weights on per-character values
+            ``v_i / rho_i`` and minimise ``sum_i w_i K_i / rho_i``, with ``rho_i`` the characters per token of task i
+            (see :mod:`specdec.finetune`); needs ``method`` ``"scdf"`` or ``"exact_variance"``, and string texts with
+            a tokenizer (or token-id lists with a tokenizer to decode them, or ``chars_per_token=``).
     """
 
     method: str = "scdf"
@@ -138,10 +158,16 @@ class FinetuneConfig:
     seed: int = 0
     backend: str = "auto"
     autocast: bool | None = None
+    per_character: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if not isinstance(self.per_character, bool):
+            raise TypeError(f"per_character must be True or False, got {self.per_character!r}")
+        if self.per_character and self.method not in PER_CHARACTER_METHODS:
+            raise ValueError(f"per_character=True reweights the tasks of method 'scdf' or 'exact_variance'; method "
+                             f"{self.method!r} has no per-task weights to take per character")
         if self.weight_basis not in WEIGHT_BASES:
             raise ValueError(f"weight_basis must be one of {WEIGHT_BASES}, got {self.weight_basis!r}")
         for name, minimum in (("steps", 0), ("batch_size_per_task", 1), ("seq_len", 2), ("eval_examples", 1)):
@@ -211,6 +237,10 @@ class FinetuneResult:
     resumed_from: the step loaded from a checkpoint (0 when starting fresh). checkpoint_path: the checkpoint file.
     config: the settings of the run. held_out: task -> the indices (into that task's texts as given) of the texts
     held out for the evaluations and not trained on; None when ``eval_tasks`` were given or ``eval_fraction`` is 0.
+    chars_per_token: task -> ``rho_i``, the characters per token the per-character weights used (given or measured
+    on the task's texts); None when neither ``per_character`` nor ``chars_per_token=`` asked for them. With it, every
+    history entry also has ``U_char_ce``, ``U_char_kl`` and ``U_char_tv``, the unfairness of ``v_i / rho_i`` over the
+    evaluated tasks (those with a ``rho``), and with ``per_character`` ``U`` is ``U_char`` on the weight basis.
     """
 
     drafter: torch.nn.Module
@@ -223,6 +253,7 @@ class FinetuneResult:
     checkpoint_path: str | None = None
     config: FinetuneConfig | None = None
     held_out: dict[str, list[int]] | None = None
+    chars_per_token: dict[str, float] | None = None
 
     @property
     def initial(self) -> dict[str, Any]:
@@ -279,6 +310,65 @@ def held_out_split(sizes: Mapping[str, int], eval_fraction: float = 0.1, max_exa
     return split
 
 
+_SETTING_DEFAULTS = {"per_character": False, "chars_per_token": None}
+"""The values of run settings that checkpoints written before the setting existed were run with."""
+
+
+def _measured_chars_per_token(raw: Mapping[Any, Any], tokenized: Mapping[str, list[tuple[int, list[int]]]],
+                              tokenizer: Any) -> dict[str, float]:
+    """``sum len(text) / sum len(token ids)`` per task over the texts kept by :func:`_tokenize_tasks`; a task whose
+    characters cannot be counted (token-id lists and no tokenizer) is left out."""
+    by_name = {str(name): items for name, items in raw.items()}
+    measured: dict[str, float] = {}
+    for task, rows in tokenized.items():
+        chars = tokens = 0
+        for index, ids in rows:
+            item = by_name[task][index]
+            if isinstance(item, str):
+                chars += len(item)
+            elif tokenizer is not None:
+                chars += decoded_length(tokenizer, list(ids))
+            else:
+                break
+            tokens += len(ids)
+        else:
+            if chars > 0:
+                measured[task] = chars / tokens
+    return measured
+
+
+def _resolve_chars_per_token(given: Mapping[str, float] | None, per_character: bool, names: list[str],
+                             tasks: Mapping[Any, Any], tokenized: Mapping[str, list[tuple[int, list[int]]]],
+                             eval_tasks: Mapping[Any, Any] | None, tokenizer: Any,
+                             add_special_tokens: bool) -> dict[str, float] | None:
+    """task -> rho (characters per token) for the training and evaluation tasks, or None when not asked for."""
+    if given is None and not per_character:
+        return None
+    if given is not None:
+        if not isinstance(given, Mapping):
+            raise TypeError(f"chars_per_token must be a mapping from task name to characters per token, got "
+                            f"{type(given).__name__}")
+        checked = {str(name): check_number(value, f"chars_per_token[{name!r}]", 0.0, strict=True)
+                   for name, value in given.items()}
+        missing = [n for n in names if n not in checked]
+        if missing:
+            raise ValueError(f"chars_per_token has no entry for task(s) {', '.join(map(repr, missing))}: give one "
+                             "for every task of tasks")
+        return checked
+    rho = _measured_chars_per_token(tasks, tokenized, tokenizer)
+    missing = [n for n in names if n not in rho]
+    if missing:
+        raise ValueError(f"per_character=True needs the characters per token of task {missing[0]!r}: give its texts "
+                         f"as strings with tokenizer=, a tokenizer to decode its token ids, or chars_per_token="
+                         f"{{{missing[0]!r}: ...}}")
+    if eval_tasks is not None:
+        extra = {n: items for n, items in eval_tasks.items() if str(n) not in rho}
+        if extra:
+            eval_tokenized = _tokenize_tasks(extra, tokenizer, "eval_tasks", add_special_tokens)
+            rho.update(_measured_chars_per_token(extra, eval_tokenized, tokenizer))
+    return rho
+
+
 def _window(seq: list[int], seq_len: int, generator: torch.Generator) -> list[int]:
     if len(seq) <= seq_len:
         return seq
@@ -305,7 +395,7 @@ def _draw_global_batch(method: str, corpus: list[list[list[int]]], batch_size_pe
 
 def _evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module, eval_tokens: dict[str, list[list[int]]],
               weight_basis: str, temperature: float, vocab_size: int, batch_size: int, backend: str,
-              autocast: bool) -> dict[str, Any]:
+              autocast: bool, rho: Mapping[str, float] | None = None, per_character: bool = False) -> dict[str, Any]:
     was_training = drafter.training
     drafter.eval()
     device = model_device(drafter)
@@ -320,9 +410,15 @@ def _evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module, eval_tokens: 
     alphas = {n: v["alpha"] for n, v in per_task.items()}
     worst = min(alphas, key=alphas.get)
     entry = {f"U_{b}": unfairness([v[b] for v in per_task.values()]) for b in WEIGHT_BASES}
-    entry.update({"U": entry[f"U_{weight_basis}"], "mean_alpha": sum(alphas.values()) / len(alphas),
+    if rho is not None:
+        known = [n for n in per_task if n in rho]
+        for b in WEIGHT_BASES:
+            entry[f"U_char_{b}"] = unfairness([per_task[n][b] / rho[n] for n in known]) if known else None
+    basis_u = entry[f"U_char_{weight_basis}"] if per_character else entry[f"U_{weight_basis}"]
+    entry.update({"U": basis_u, "mean_alpha": sum(alphas.values()) / len(alphas),
                   "worst_alpha": alphas[worst], "worst_task": worst, "per_task": per_task})
     return entry
+
 
 def _check_models(drafter: torch.nn.Module, verifier: torch.nn.Module) -> torch.device:
     """The models' device, after checking that the drafter is a separate, trainable module next to the verifier."""
@@ -344,11 +440,14 @@ def _check_models(drafter: torch.nn.Module, verifier: torch.nn.Module) -> torch.
 
 
 def _step_weights(cfg: FinetuneConfig, task_ids: torch.Tensor, div: Any, num_tasks: int,
-                  distributed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+                  distributed: bool, rho: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """Per-token weights, per-task weights, per-task basis values and the logged objective of one minibatch.
 
     Per-task sums and counts of CE, KL and TV are all-reduced under ``torch.distributed`` so every process computes
-    the weights of the global minibatch.
+    the weights of the global minibatch. With ``cfg.per_character``, ``rho`` [m] holds the characters per token of
+    every task: the basis values are ``v_i / rho_i``, the weights ``w_i`` the corrective (or exact-variance) formula
+    on them, the per-token weights ``w_i / (rho_i N_i)`` and the objective ``sum_i w_i K_i / rho_i``.
     """
     import torch.distributed as dist
 
@@ -366,13 +465,17 @@ def _step_weights(cfg: FinetuneConfig, task_ids: torch.Tensor, div: Any, num_tas
         token_weights = torch.full_like(task_ids, 1.0, dtype=torch.float32) / counts.sum().float()
         weights = counts.float() / counts.sum().float()
         return token_weights, weights, basis, float(stats[0].sum() / counts.sum())
+    per_char = rho.to(device=device, dtype=torch.float64) if cfg.per_character else torch.ones_like(counts)
+    if cfg.per_character:
+        basis = basis / per_char
     present = counts > 0
     weights = torch.zeros(num_tasks, dtype=torch.float32, device=device)
     weights[present] = scdf_weights(
         basis[present], {"scdf": "scdf", "exact_variance": "exact_variance"}.get(cfg.method, "uniform"),
         floor=cfg.weight_floor, normalize=cfg.normalize_weights).to(device)
-    token_weights = token_weights_unchecked(task_ids, weights, counts)
-    return token_weights, weights, basis, float((weights.double() * values[0]).sum())
+    multipliers = (weights.double() / per_char).float() if cfg.per_character else weights
+    token_weights = token_weights_unchecked(task_ids, multipliers, counts)
+    return token_weights, weights, basis, float((multipliers.double() * values[0]).sum())
 
 
 def finetune_drafter(
@@ -388,6 +491,7 @@ def finetune_drafter(
     vocab_size: int | None = None,
     progress: bool = True,
     callback: Callable[[int, dict[str, Any]], None] | None = None,
+    chars_per_token: Mapping[str, float] | None = None,
     **settings: Any,
 ) -> FinetuneResult:
     """Finetune ``drafter`` in place toward ``verifier`` with s-CDF or a baseline; the verifier is never modified.
@@ -407,7 +511,12 @@ def finetune_drafter(
             needed when their output layers differ in size (see :func:`specdec.compat.resolve_vocab_size`).
         progress: tqdm bar (rank 0 only).
         callback: called as ``callback(step, info)`` after every step (info has ``loss``, ``weights``,
-            ``task_values`` and ``grad_norm``, the global gradient norm before clipping).
+            ``task_values`` (per character with ``per_character``), ``grad_norm``, the global gradient norm before
+            clipping, and ``chars_per_token``, the ``rho_i`` in task order, or None).
+        chars_per_token: task -> characters per token ``rho_i`` (> 0) for the per-character weights and figures,
+            covering every task of ``tasks`` (extra names are used for ``eval_tasks``). Default: measured on the
+            texts as given, ``sum len(text) / sum len(token ids)`` per task (token-id lists are decoded with
+            ``tokenizer``), when ``per_character`` is on; otherwise no per-character figures.
         **settings: the fields of :class:`FinetuneConfig` as keywords (``method="scdf", steps=100, lr=5e-4, ...``),
             which build the config when ``config`` is not given. Giving both, or a name that is not a field, raises
             TypeError naming the keyword.
@@ -416,7 +525,8 @@ def finetune_drafter(
         :class:`FinetuneResult`.
 
     Raises ValueError when the models' output sizes differ and ``vocab_size`` is not given, when ``seq_len`` is more
-    than the models' positions, or when a task has too few texts to hold some out. Warns
+    than the models' positions, when a task has too few texts to hold some out, or when ``per_character`` is on and a
+    task's characters per token can be neither measured nor found in ``chars_per_token``. Warns
     (:class:`specdec.compat.SpecdecWarning`) for a task whose texts the tokenizer turns into many unknown tokens.
     """
     import torch.distributed as dist
@@ -463,6 +573,10 @@ def finetune_drafter(
         if max(max(s) for s in seqs) >= vocab_size or min(min(s) for s in seqs) < 0:
             raise ValueError(f"eval_tasks[{n!r}] has token ids outside [0, vocab_size={vocab_size})")
     num_tasks = len(names)
+    rho_map = _resolve_chars_per_token(chars_per_token, cfg.per_character, names, tasks, tokenized, eval_tasks,
+                                       tokenizer, add_special_tokens)
+    rho = (torch.tensor([rho_map[n] for n in names], dtype=torch.float64, device=device)
+           if cfg.per_character else None)
 
     distributed = dist.is_available() and dist.is_initialized()
     world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
@@ -478,7 +592,8 @@ def finetune_drafter(
                     "weight_decay": cfg.weight_decay, "max_grad_norm": cfg.max_grad_norm,
                     "temperature": cfg.temperature, "seed": cfg.seed, "normalize_weights": cfg.normalize_weights,
                     "eval_fraction": cfg.eval_fraction, "split_seed": cfg.split_seed,
-                    "tasks_digest": tasks_digest(corpus, eval_tokens)}
+                    "tasks_digest": tasks_digest(corpus, eval_tokens), "per_character": cfg.per_character,
+                    "chars_per_token": [rho_map[n] for n in names] if cfg.per_character else None}
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     generator = torch.Generator().manual_seed(cfg.seed)
     ckpt_path = os.path.join(os.fspath(cfg.checkpoint_dir), CHECKPOINT_NAME) if cfg.checkpoint_dir is not None else None
@@ -491,14 +606,15 @@ def finetune_drafter(
 
     def evaluate_now(step: int, train_loss: float | None) -> None:
         entry = {"step": step, **_evaluate(verifier, drafter, eval_tokens, cfg.weight_basis, cfg.temperature,
-                                           vocab_size, cfg.batch_size_per_task, cfg.backend, autocast)}
+                                           vocab_size, cfg.batch_size_per_task, cfg.backend, autocast, rho_map,
+                                           cfg.per_character)}
         entry["train_loss"] = train_loss
         history.append(entry)
 
     if ckpt_path is not None and cfg.resume and os.path.exists(ckpt_path):
         ckpt = load_checkpoint(ckpt_path)  # CheckpointError on a bad file: nothing is overwritten
         saved = ckpt["meta"]["config"]
-        different = sorted(k for k in run_settings if saved.get(k) != run_settings[k])
+        different = sorted(k for k in run_settings if saved.get(k, _SETTING_DEFAULTS.get(k)) != run_settings[k])
         if different:
             raise CheckpointError(f"checkpoint {ckpt_path} was written by a run with different settings "
                                   f"({', '.join(different)}); use another checkpoint_dir or resume=False")
@@ -539,7 +655,8 @@ def finetune_drafter(
             task_ids = row_task[prefix_rows(mask)]
             with torch.no_grad():
                 div = divergence(v_logits, d_logits.detach(), temperature=cfg.temperature, backend=cfg.backend)
-                token_weights, weights, basis, objective = _step_weights(cfg, task_ids, div, num_tasks, distributed)
+                token_weights, weights, basis, objective = _step_weights(cfg, task_ids, div, num_tasks, distributed,
+                                                                         rho)
             loss = divergence_loss(d_logits, v_logits, weights=token_weights, temperature=cfg.temperature,
                                    reduction="sum", backend=cfg.backend)
             (loss * world).backward()
@@ -552,12 +669,15 @@ def finetune_drafter(
             bar.update(1)
             if callback is not None:
                 callback(step, {"loss": objective, "weights": weights.tolist(), "task_values": basis.tolist(),
-                                "grad_norm": grad_norm})
+                                "grad_norm": grad_norm,
+                                "chars_per_token": [rho_map[n] for n in names] if rho_map else None})
             is_last = step == cfg.steps
             if is_last or (cfg.eval_every is not None and step % cfg.eval_every == 0):
                 evaluate_now(step, sum(since_eval) / len(since_eval))
                 since_eval = []
-                bar.set_postfix(U=f"{history[-1]['U']:.4g}", worst_alpha=f"{history[-1]['worst_alpha']:.3f}")
+                u_now = history[-1]["U"]
+                bar.set_postfix(U="–" if u_now is None else f"{u_now:.4g}",
+                                worst_alpha=f"{history[-1]['worst_alpha']:.3f}")
             if is_last or (checkpoint_every is not None and step % checkpoint_every == 0):
                 save(step)
     finally:
@@ -566,4 +686,4 @@ def finetune_drafter(
         verifier.train(verifier_was_training)
     return FinetuneResult(drafter=drafter, history=history, losses=losses, steps=max(start_step, cfg.steps),
                           method=cfg.method, weight_basis=cfg.weight_basis, resumed_from=start_step,
-                          checkpoint_path=ckpt_path, config=cfg, held_out=held_out)
+                          checkpoint_path=ckpt_path, config=cfg, held_out=held_out, chars_per_token=rho_map)

@@ -17,6 +17,12 @@ s-CDF minimises ``sum_i w_i K_i`` with weights ``w_i`` computed from the (detach
 The weights may be computed on a different basis than the loss (``weight_basis`` in :mod:`specdec.finetune`): on
 KL or TV instead of CE. Since ``H(p)`` does not depend on the drafter, ``grad K_i = grad D_i``, so the loss is always
 the cross-entropy ``K_i`` and only the weights change with the basis.
+
+Per character (``chars_per_token`` of :func:`scdf_loss`, ``per_character`` in :mod:`specdec.finetune`): with
+``rho_i`` the characters per token of task i, a round of speculative decoding yields ``rho_i`` times as many
+characters as tokens, and the misfit a drafter can remove costs ``D_i / rho_i`` nats per character. The weights are
+then taken on ``v_i / rho_i`` (``w_i = v_i / rho_i - min_j v_j / rho_j + floor``, or minus the mean) and the objective
+is the per-character cross-entropy ``L = sum_i w_i K_i / rho_i``.
 """
 
 from __future__ import annotations
@@ -138,8 +144,10 @@ class ScdfLoss(NamedTuple):
 
 def scdf_loss(task_losses: torch.Tensor | Sequence[torch.Tensor],
               weight_values: torch.Tensor | Sequence[float] | None = None, *, method: str = "scdf",
-              floor: float = 0.0, normalize: bool = False, present: torch.Tensor | None = None) -> ScdfLoss:
-    """The s-CDF objective ``L = sum_i w_i K_i`` on per-task minibatch estimates.
+              floor: float = 0.0, normalize: bool = False, present: torch.Tensor | None = None,
+              chars_per_token: torch.Tensor | Sequence[float] | None = None) -> ScdfLoss:
+    """The s-CDF objective ``L = sum_i w_i K_i`` on per-task minibatch estimates (per character:
+    ``sum_i w_i K_i / rho_i``).
 
     Args:
         task_losses: [m] float tensor of per-task mean cross-entropies ``K_i`` carrying gradients w.r.t. the drafter
@@ -148,17 +156,27 @@ def scdf_loss(task_losses: torch.Tensor | Sequence[torch.Tensor],
             pass per-task KL or TV for the other bases. Always detached.
         method, floor, normalize, present: see :func:`scdf_weights`. With ``present`` the tasks left out add
             nothing to the loss (their ``K_i`` may be NaN).
+        chars_per_token: optional [m] characters per token ``rho_i`` (finite, > 0): the weights are computed on
+            ``weight_values / rho`` and the loss is ``sum_i w_i K_i / rho_i`` (nats per character). Always detached.
 
     Returns:
-        :class:`ScdfLoss` with ``loss`` = ``sum_i w_i K_i`` (0-dim) and ``weights`` [m]. With
-        ``method="exact_variance"`` and the CE basis, ``grad loss = (m/2) grad U``.
+        :class:`ScdfLoss` with ``loss`` = ``sum_i w_i K_i`` (0-dim; ``sum_i w_i K_i / rho_i`` per character) and
+        ``weights`` [m] (the ``w_i``). With ``method="exact_variance"`` and the CE basis, ``grad loss = (m/2) grad U``.
     """
     task_losses = _as_task_vector(task_losses, "task_losses", present)
     basis = task_losses if weight_values is None else _as_task_vector(weight_values, "weight_values", present,
                                                                       like=task_losses)
+    basis = basis.detach()
+    rho = None
+    if chars_per_token is not None:
+        rho = _as_task_vector(chars_per_token, "chars_per_token", like=task_losses).detach().to(basis.device)
+        if not bool((rho > 0).all()):
+            raise ValueError(f"chars_per_token must be > 0 for every task, got {rho.tolist()}")
+        basis = basis / rho.to(basis.dtype)
     weights = scdf_weights(basis, method=method, floor=floor, normalize=normalize,
                            present=present).to(task_losses.device)
-    terms = weights.to(task_losses.dtype) * task_losses
+    multipliers = weights if rho is None else weights / rho.to(weights.device, weights.dtype)
+    terms = multipliers.to(task_losses.dtype) * task_losses
     if present is not None:  # 0 * NaN is NaN: leave the absent tasks out explicitly (no gradient reaches them)
         terms = torch.where(present.to(terms.device), terms, torch.zeros_like(terms))
     return ScdfLoss(terms.sum(), weights)

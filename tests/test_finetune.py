@@ -14,6 +14,7 @@ import torch
 import torch.multiprocessing as mp
 from transformers import LlamaForCausalLM
 
+from specdec.fairness import unfairness
 from specdec.finetune import FinetuneConfig, finetune_drafter
 from specdec.finetune_checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint, save_checkpoint
 
@@ -473,3 +474,101 @@ def test_texts_the_tokenizer_does_not_cover_are_named():
         finetune_drafter(drafter, verifier, tasks, tokenizer=tokenizer, **{**SMALL, "steps": 1})
     messages = [str(w.message) for w in record if issubclass(w.category, SpecdecWarning)]
     assert len(messages) == 1 and messages[0].startswith("task 'bengali': 60.0% of its 40 tokens are '<unk>'")
+
+
+# -------------------------------------------------------------------------------------------- per-character weights
+def test_per_character_weights_follow_the_formula_on_a_constructed_minibatch():
+    from types import SimpleNamespace
+
+    from specdec.finetune import _step_weights
+
+    # three tasks; per token: CE, KL, TV; task 2 has one token
+    task_ids = torch.tensor([0, 0, 1, 1, 1, 2])
+    ce = torch.tensor([2.0, 3.0, 1.0, 2.0, 3.0, 4.0])
+    kl = torch.tensor([0.4, 0.6, 0.3, 0.9, 1.2, 0.5])
+    tv = torch.tensor([0.1, 0.3, 0.2, 0.2, 0.2, 0.4])
+    div = SimpleNamespace(cross_entropy=ce, kl=kl, tv=tv)
+    rho = torch.tensor([1.0, 3.0, 1.25], dtype=torch.float64)
+    counts = torch.tensor([2.0, 3.0, 1.0], dtype=torch.float64)
+    d = torch.tensor([0.5, 0.8, 0.5], dtype=torch.float64)  # per-task mean KL
+    k = torch.tensor([2.5, 2.0, 4.0], dtype=torch.float64)  # per-task mean CE
+    cfg = FinetuneConfig(method="scdf", weight_basis="kl", per_character=True)
+    token_weights, weights, values, objective = _step_weights(cfg, task_ids, div, 3, False, rho)
+    expected = d / rho - (d / rho).min()  # 0.5, 0.2667, 0.4 -> 0.2333, 0, 0.1333
+    torch.testing.assert_close(values, d / rho)
+    torch.testing.assert_close(weights.double(), expected, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(token_weights.double(), (expected / rho / counts)[task_ids], rtol=1e-6, atol=1e-7)
+    assert objective == pytest.approx(float((expected * k / rho).sum()), rel=1e-6)
+    floored = _step_weights(cfg.replace(weight_floor=0.1), task_ids, div, 3, False, rho)[1]
+    torch.testing.assert_close(floored.double(), expected + 0.1, rtol=1e-6, atol=1e-7)
+    exact = _step_weights(cfg.replace(method="exact_variance"), task_ids, div, 3, False, rho)[1]
+    torch.testing.assert_close(exact.double(), d / rho - (d / rho).mean(), rtol=1e-6, atol=1e-7)
+    # per token the same minibatch pulls task 1 hardest; per character task 0 (task 1 has 3 characters a token)
+    per_token = _step_weights(cfg.replace(per_character=False), task_ids, div, 3, False, rho)[1]
+    torch.testing.assert_close(per_token.double(), d - d.min(), rtol=1e-6, atol=1e-7)
+    assert int(per_token.argmax()) == 1 and int(weights.argmax()) == 0
+
+
+def _first_steps(chars_per_token, per_character, steps=2):
+    verifier, drafter = make_pair()
+    seen = []
+    result = finetune_drafter(drafter, verifier, make_tasks(), method="scdf", weight_basis="kl",
+                              per_character=per_character, chars_per_token=chars_per_token,
+                              callback=lambda step, info: seen.append(info), **{**SMALL, "steps": steps})
+    return drafter, seen, result
+
+
+def test_per_character_changes_the_update_only_when_rho_differs():
+    per_token, token_info, _ = _first_steps(None, False)
+    ones, ones_info, _ = _first_steps({"a": 1.0, "b": 1.0}, True)
+    assert weights_equal(per_token, ones), "rho = 1 everywhere is the per-token objective"
+    assert [i["weights"] for i in ones_info] == [i["weights"] for i in token_info]
+    rho = {"a": 1.0, "b": 4.0}
+    drafter, info, result = _first_steps(rho, True)
+    assert not weights_equal(per_token, drafter), "differing rho must change the update"
+    first = info[0]  # the same first minibatch and drafter as the per-token run
+    assert first["chars_per_token"] == [1.0, 4.0]
+    per_token_values = token_info[0]["task_values"]
+    assert first["task_values"] == pytest.approx([per_token_values[0] / 1.0, per_token_values[1] / 4.0])
+    values = first["task_values"]
+    assert first["weights"] == pytest.approx([v - min(values) for v in values], rel=1e-5, abs=1e-7)
+    assert result.chars_per_token == rho and result.config.per_character
+    entry = result.final
+    assert entry["U"] == entry["U_char_kl"]
+    per_task = entry["per_task"]
+    assert entry["U_char_kl"] == pytest.approx(unfairness([per_task[n]["kl"] / rho[n] for n in ("a", "b")]))
+
+
+def test_per_character_measures_rho_on_the_texts_and_names_what_it_lacks():
+    from specdec import data
+
+    tokenizer = data.build_char_tokenizer()
+    verifier = build_tiny_llama(vocab_size=len(tokenizer), hidden_size=16, num_layers=1, seed=0)
+    drafter = build_tiny_llama(vocab_size=len(tokenizer), hidden_size=16, num_layers=1, seed=1)
+    tasks = {"short": ["12+3=15;", "4+4=8;", "7+1=8;"], "long": ["the red fox sees a bird.", "a cat.", "no wolf."]}
+    result = finetune_drafter(drafter, verifier, tasks, tokenizer=tokenizer, add_special_tokens=True,
+                              per_character=True, **{**SMALL, "steps": 1})
+    # one token per character plus <bos>: rho = characters / (characters + texts)
+    for name, texts in tasks.items():
+        chars = sum(len(t) for t in texts)
+        assert result.chars_per_token[name] == pytest.approx(chars / (chars + len(texts)))
+    with pytest.raises(ValueError, match="per_character=True needs the characters per token of task 'a'"):
+        finetune_drafter(*make_pair()[::-1], make_tasks(), per_character=True, **SMALL)
+    with pytest.raises(ValueError, match=r"chars_per_token has no entry for task\(s\) 'b'"):
+        finetune_drafter(*make_pair()[::-1], make_tasks(), per_character=True, chars_per_token={"a": 2.0}, **SMALL)
+    with pytest.raises(ValueError, match=r"chars_per_token\['b'\]"):
+        finetune_drafter(*make_pair()[::-1], make_tasks(), chars_per_token={"a": 2.0, "b": 0.0}, **SMALL)
+    with pytest.raises(TypeError, match="chars_per_token must be a mapping"):
+        finetune_drafter(*make_pair()[::-1], make_tasks(), chars_per_token=[2.0, 1.0], **SMALL)
+    with pytest.raises(ValueError, match="per_character=True reweights the tasks of method 'scdf' or"):
+        FinetuneConfig(method="uniform_kd", per_character=True)
+    with pytest.raises(TypeError, match="per_character must be True or False"):
+        FinetuneConfig(per_character="yes")
+
+
+def test_a_per_token_checkpoint_is_not_resumed_per_character(tmp_path):
+    verifier, drafter = make_pair()
+    finetune_drafter(drafter, verifier, make_tasks(), checkpoint_dir=tmp_path, **{**SMALL, "steps": 2})
+    with pytest.raises(CheckpointError, match="different settings.*chars_per_token, per_character"):
+        finetune_drafter(drafter, verifier, make_tasks(), checkpoint_dir=tmp_path, per_character=True,
+                         chars_per_token={"a": 1.0, "b": 2.0}, **{**SMALL, "steps": 3})

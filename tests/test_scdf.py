@@ -257,3 +257,26 @@ def test_per_task_mean_and_token_weights_reject_bad_task_ids():
         token_weights(torch.zeros(4, dtype=torch.int64), torch.ones(2), torch.ones(3))
     with pytest.raises(ValueError, match="task_ids must lie in"):
         token_weights(torch.tensor([0, 2]), torch.ones(2), torch.ones(2))
+
+
+def test_per_character_weights_and_loss():
+    # w_i = D_i / rho_i - min_j D_j / rho_j, loss = sum_i w_i K_i / rho_i (nats per character)
+    k = torch.tensor([2.0, 3.0, 1.2], dtype=torch.float64, requires_grad=True)
+    d = torch.tensor([0.5, 1.2, 0.9], dtype=torch.float64)
+    rho = torch.tensor([1.0, 4.0, 1.5], dtype=torch.float64)
+    out = scdf_loss(k, weight_values=d, chars_per_token=rho)
+    assert torch.allclose(out.weights.double(), torch.tensor([0.2, 0.0, 0.3], dtype=torch.float64), atol=1e-6)
+    assert torch.allclose(out.loss, (out.weights.double() * k / rho).sum())
+    (grad,) = torch.autograd.grad(out.loss, k)
+    assert torch.allclose(grad, out.weights.double() / rho)
+    per_token = scdf_loss(k, weight_values=d)
+    assert torch.allclose(per_token.weights.double(), torch.tensor([0.0, 0.7, 0.4], dtype=torch.float64))
+    assert int(per_token.weights.argmax()) == 1 and int(out.weights.argmax()) == 2, "the order of the tasks changes"
+    ones = scdf_loss(k, weight_values=d, chars_per_token=[1.0, 1.0, 1.0])
+    assert torch.equal(ones.weights, per_token.weights) and torch.equal(ones.loss, per_token.loss)
+    exact = scdf_loss(k, weight_values=d, chars_per_token=rho, method="exact_variance")
+    assert torch.allclose(exact.weights.double(), d / rho - (d / rho).mean(), atol=1e-6)
+    with pytest.raises(ValueError, match="chars_per_token must be > 0"):
+        scdf_loss(k, chars_per_token=[1.0, 0.0, 2.0])
+    with pytest.raises(ValueError, match="chars_per_token must have shape"):
+        scdf_loss(k, chars_per_token=[1.0, 2.0])
