@@ -456,7 +456,7 @@ def _write_report(report: Any, output_dir: Path | None, title: str) -> list[Path
 
 def command_evaluate(args: argparse.Namespace) -> int:
     """Per-task fairness report of a drafter-verifier pair over task files."""
-    from specdec.compat import check_task_texts, pair_positions
+    from specdec.compat import pair_positions
     from specdec.fairness import evaluate
 
     if args.output_dir is not None:
@@ -465,9 +465,6 @@ def command_evaluate(args: argparse.Namespace) -> int:
     verifier, drafter, tokenizer, vocab_size = _load_pair(args)
     positions = pair_positions(verifier, drafter)
     max_length = args.max_length or min(DEFAULT_MAX_LENGTH, positions or DEFAULT_MAX_LENGTH)
-    # unknown tokens, texts cut at the positions, prompts with no room left: one warning per task and problem
-    check_task_texts(tasks, tokenizer, max_positions=positions, max_length=max_length,
-                     max_new_tokens=args.max_new_tokens, add_special_tokens=not args.no_special_tokens)
     report = evaluate(
         verifier, drafter, tasks, tokenizer=tokenizer, num_draft_tokens=args.num_draft_tokens,
         temperature=args.temperature, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,

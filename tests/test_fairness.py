@@ -279,3 +279,22 @@ def test_bad_inputs(models, tasks, kwargs, error, needle):
 def test_bad_models():
     with pytest.raises(TypeError, match="verifier"):
         evaluate("gpt", tiny_llama(16, 1, 0), {"a": [[3, 4]]}, progress=False)
+
+
+def test_evaluate_warns_about_unknown_tokens_and_refuses_unexplained_output_sizes():
+    import specdec
+    from specdec import data
+
+    tokenizer = data.build_char_tokenizer()
+    verifier = build_tiny_llama(vocab_size=len(tokenizer), hidden_size=32, num_layers=1, seed=0)
+    drafter = build_tiny_llama(vocab_size=len(tokenizer), hidden_size=32, num_layers=1, seed=1)
+    tasks = {"en": TaskData(texts=["the cat sat on the mat"] * 2), "bn": TaskData(texts=["আমি বাংলায় গান গাই"] * 2)}
+    with pytest.warns(specdec.SpecdecWarning, match=r"task 'bn': .*% of its .*tokens are"):
+        evaluate(verifier, drafter, tasks, tokenizer=tokenizer, cost_ratio=0.5, progress=False, wall_clock=False)
+    wider = build_tiny_llama(vocab_size=len(tokenizer) + 50, hidden_size=32, num_layers=1, seed=2)
+    with pytest.raises(ValueError, match="pass vocab_size="):
+        evaluate(verifier, wider, {"en": tasks["en"]}, tokenizer=tokenizer, cost_ratio=0.5, progress=False,
+                 wall_clock=False)
+    report = evaluate(verifier, wider, {"en": tasks["en"]}, tokenizer=tokenizer, cost_ratio=0.5, progress=False,
+                      wall_clock=False, vocab_size=len(tokenizer))
+    assert report.tasks[0].name == "en"
