@@ -24,6 +24,7 @@ setup(
         "tqdm>=4.60",
         "safetensors>=0.4",
         "tokenizers>=0.19",
+        "huggingface-hub>=0.23",
         "matplotlib>=3.7",
     ],
     extras_require={

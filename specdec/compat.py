@@ -89,13 +89,13 @@ class TextCheck:
     name: str
     num_texts: int = 0
     num_prompts: int = 0
-    num_tokens: int = 0
-    unknown_tokens: int = 0
-    text_tokens: int = 0
-    texts_cut: int = 0
-    tokens_cut: int = 0
+    num_tokens: int = 0  # texts and prompts together
+    unknown_tokens: int = 0  # of num_tokens
+    text_tokens: int = 0  # texts only
+    texts_cut: int = 0  # texts longer than limit
+    tokens_cut: int = 0  # of text_tokens, past limit
     prompts_too_long: int = 0
-    limit: int | None = None
+    limit: int | None = None  # tokens kept per text (None: no limit)
 
     @property
     def unknown_rate(self) -> float:

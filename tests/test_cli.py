@@ -68,6 +68,19 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+def _greedy_completion(model_dir: str, prompt: str, max_new_tokens: int) -> str:
+    """The saved model's own greedy continuation of ``prompt`` (transformers' generate), decoded."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        reference = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(reference[0, ids.shape[1]:], skip_special_tokens=True)
+
+
 # ------------------------------------------------------------------------------------------------------- top level
 def test_help_lists_every_subcommand(capsys):
     code, out, _ = run_cli(capsys, "--help")
@@ -138,16 +151,7 @@ def test_generate_prompts_greedy_matches_the_verifier(capsys, pair_dirs, draft_o
     records = [json.loads(line) for line in out.splitlines()]
     assert [r["prompt"] for r in records] == ["count 3:", "copy abc|"]
     assert "tokens per verifier call" in err
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(verifier_dir)
-    verifier = AutoModelForCausalLM.from_pretrained(verifier_dir).eval()
-    ids = tokenizer("count 3:", return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        reference = verifier.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                                      pad_token_id=tokenizer.pad_token_id)
-    expected = tokenizer.decode(reference[0, ids.shape[1]:], skip_special_tokens=True)
-    assert records[0]["completion"] == expected
+    assert records[0]["completion"] == _greedy_completion(verifier_dir, "count 3:", 6)
 
 
 def test_generate_prompts_file_and_sampling_options(capsys, pair_dirs, tmp_path):
@@ -486,19 +490,13 @@ def deep_verifier_dir(tmp_path_factory) -> str:
 
 def test_self_drafter_generates_the_verifiers_tokens_and_finetunes_a_copy(capsys, deep_verifier_dir, tasks_file,
                                                                           tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     code, out, err = run_cli(capsys, "generate", "--verifier", deep_verifier_dir, "--self-drafter", "1", "--prompt",
                              "count 3:", "-k", "3", "--max-new-tokens", "8", "--json")
     assert code == 0, err
-    tokenizer = AutoTokenizer.from_pretrained(deep_verifier_dir)
+    assert json.loads(out.splitlines()[0])["completion"] == _greedy_completion(deep_verifier_dir, "count 3:", 8)
     verifier = AutoModelForCausalLM.from_pretrained(deep_verifier_dir).eval()
-    ids = tokenizer("count 3:", return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        reference = verifier.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                                      pad_token_id=tokenizer.pad_token_id)
-    assert json.loads(out.splitlines()[0])["completion"] == tokenizer.decode(reference[0, ids.shape[1]:],
-                                                                             skip_special_tokens=True)
     out_dir = tmp_path / "self-drafter"
     code, out, err = run_cli(capsys, "finetune", "--verifier", deep_verifier_dir, "--self-drafter", "2", "--tasks",
                              str(tasks_file), "--steps", "1", "--batch-size-per-task", "2", "--seq-len", "16",
