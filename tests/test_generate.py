@@ -161,6 +161,22 @@ def test_greedy_rows_stop_at_eos_independently(verifier, drafters, static):
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_acceptance_counts_stop_at_an_emitted_eos(verifier, drafters, static):
+    input_ids, attention_mask = _prompts([5, 9], seed=4)
+    free_run = _reference(verifier, input_ids, attention_mask, 12, eos_token_id=[])
+    eos = int(free_run[0, input_ids.shape[1] + 3])  # row 0's 4th token, inside the first round of 8 drafts
+    out = specdec.generate(verifier, drafters["identical"], input_ids, attention_mask, max_new_tokens=12,
+                           num_draft_tokens=8, eos_token_id=eos, pad_token_id=0, static=static)
+    stats = out.stats
+    first_row_tokens = int(stats.generated[0])
+    assert first_row_tokens <= 4
+    # every emitted token of row 0 but the static path's first (sampled by the prompt's call) is an accepted draft;
+    # the drafts the verifier also accepted after the eos are not counted
+    assert int(stats.accepted[0]) == first_row_tokens - (1 if static else 0)
+    assert int(stats.accepted_per_position[0].sum()) == int(stats.accepted[0])
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 def test_identical_drafter_accepts_everything(verifier, drafters, static):
     input_ids, attention_mask = _prompts([4, 8], seed=5)
     # the static path takes the first token from the prompt's call, then 4 rounds of 5: 21 tokens in 5 calls
