@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec._slot_cache import SlotCache, slot_attention_mask
+from specdec._slot_cache import SlotCache, cache_argument, slot_attention_mask
 from specdec.kernels.rejection_sampling_reference import exponential_race
 from specdec.sampling import filter_logits_unchecked, rejection_sample_unchecked
 
@@ -47,14 +47,14 @@ class Sampling:
 
 def _slot_step(model: torch.nn.Module, cache: SlotCache, ids: torch.Tensor, slots: torch.Tensor,
                key_ok: torch.Tensor, pad_offset: torch.Tensor, dtype: torch.dtype, additive: bool, keep: int,
-               keep_kwarg: bool) -> torch.Tensor:
+               keep_kwarg: bool, cache_kwarg: str) -> torch.Tensor:
     """One forward call of ``model`` on the slot cache: logits [B, keep, V_model] of the last ``keep`` tokens."""
     cache.write_slots = slots
     mask = slot_attention_mask(key_ok, slots, dtype, additive)
     positions = (slots - pad_offset[:, None]).clamp(min=0)
     extra = {"logits_to_keep": keep} if keep_kwarg else {}
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
-                **extra)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                **{cache_kwarg: cache}, **extra)
     return out.logits[:, -keep:]
 
 
@@ -74,12 +74,13 @@ class _ModelSlot:
         self.additive_mask = model.config._attn_implementation == "eager"
         self.dtype = next(model.parameters()).dtype
         self.has_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.cache_kwarg = cache_argument(model)
         self.step = _compiled_slot_step() if compile_model else _slot_step
 
     def forward(self, ids: torch.Tensor, slots: torch.Tensor, keep: int, eager: bool = False) -> torch.Tensor:
         step = _slot_step if eager else self.step
         logits = step(self.model(), self.cache, ids, slots, self.key_ok, self.pad_offset, self.dtype,
-                      self.additive_mask, keep, self.has_logits_to_keep)
+                      self.additive_mask, keep, self.has_logits_to_keep, self.cache_kwarg)
         return logits[..., : self.vocab]
 
 

@@ -101,9 +101,20 @@ def fast_path_problem(model: torch.nn.Module, name: str) -> str | None:
     if isinstance(window, int) and window > 0 and getattr(config, "use_sliding_window", True) is not False:
         return f"{name} uses sliding-window attention"
     params = inspect.signature(model.forward).parameters
-    for arg in ("past_key_values", "position_ids", "attention_mask"):
+    for arg in ("position_ids", "attention_mask"):
         if arg not in params:
             return f"{name}.forward takes no {arg!r} argument"
+    if cache_argument(model) is None:
+        return f"{name}.forward takes no cache argument ('cache' or 'past_key_values')"
     if getattr(config, "is_encoder_decoder", False):
         return f"{name} is an encoder-decoder model"
     return None
+
+
+def cache_argument(model: torch.nn.Module) -> str | None:
+    """The name of the KV-cache argument of ``model.forward`` (``cache`` in newer transformers, else
+    ``past_key_values``), or None when it takes neither."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
