@@ -1,0 +1,324 @@
+"""The settings of the multilingual experiment: one :class:`PipelineConfig`, two presets, JSON round trip, overrides.
+
+``prepare`` writes the resolved settings to ``<work>/config.json``; every later stage reads them from there, so the
+stages of one run share one set of settings (a stage may still override a field for itself with ``--set``; the rows
+it writes record the settings it ran with).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specdec.data import MGSM_LANGUAGES
+from specdec.finetune import METHODS, WEIGHT_BASES
+
+CONFIG_NAME = "config.json"
+ARCHITECTURES = ("llama", "qwen2")
+VARIANT_PATTERN = re.compile(r"^(?P<method>scdf|exact_variance|uniform_kd|balanced)(?P<char>_char)?"
+                             r"(?:_(?P<basis>ce|kl|tv))?$")
+"""A finetuning variant's name: ``none``, or a method, ``_char`` for the per-character weights, and ``_<basis>``
+(default ``ce``): ``uniform_kd``, ``balanced``, ``exact_variance``, ``scdf_kl``, ``scdf_char_kl`` ..."""
+
+
+@dataclass
+class ModelSpec:
+    """One model of the family: a Llama or Qwen2 causal LM built from a config and trained on a language mix, or
+    (``self_layers``) the verifier's first layers as a layer-skip self-drafter (an independent copy).
+
+    ``mix``: language -> sampling weight of the training windows; languages it does not name get ``mix_default``.
+    The verifier is trained on the balanced mix (every weight 1).
+    """
+
+    name: str
+    arch: str = "llama"
+    hidden_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 704
+    mix: dict[str, float] = field(default_factory=dict)
+    mix_default: float = 1.0
+    steps: int = 1000
+    batch_size: int = 32
+    lr: float = 1e-3
+    self_layers: int | None = None
+
+    def check(self, where: str) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", self.name or ""):
+            raise ValueError(f"{where}.name must be letters, digits, '-' and '_', got {self.name!r}")
+        if self.self_layers is not None:
+            if isinstance(self.self_layers, bool) or not isinstance(self.self_layers, int) or self.self_layers < 1:
+                raise ValueError(f"{where}.self_layers must be an integer >= 1 or null, got {self.self_layers!r}")
+            return
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"{where}.arch must be one of {ARCHITECTURES}, got {self.arch!r}")
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "steps",
+                     "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "steps" else 1):
+                raise ValueError(f"{where}.{name} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{where}: hidden_size must be a multiple of num_heads and num_heads of num_kv_heads, "
+                             f"got {self.hidden_size}, {self.num_heads}, {self.num_kv_heads}")
+        if not isinstance(self.mix, dict):
+            raise TypeError(f"{where}.mix must be a mapping from language to weight, got {type(self.mix).__name__}")
+        for lang, weight in {**self.mix, "mix_default": self.mix_default}.items():
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or \
+                    weight < 0:
+                raise ValueError(f"{where}.mix[{lang!r}] must be a finite number >= 0, got {weight!r}")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not self.lr > 0:
+            raise ValueError(f"{where}.lr must be a number > 0, got {self.lr!r}")
+
+    def weights(self, languages: list[str]) -> dict[str, float]:
+        """The normalised sampling weight of every language."""
+        raw = {lang: float(self.mix.get(lang, self.mix_default)) for lang in languages}
+        total = sum(raw.values())
+        if total <= 0:
+            raise ValueError(f"model {self.name!r}: the mix gives every language weight 0")
+        return {lang: w / total for lang, w in raw.items()}
+
+
+@dataclass
+class PipelineConfig:
+    """Every setting of the pipeline (see README.md for what each stage reads and writes)."""
+
+    preset: str = "full"
+    seed: int = 0
+    languages: list[str] = field(default_factory=lambda: list(MGSM_LANGUAGES))
+    dominant_language: str = "en"
+    # corpus: training texts (mCoT chain-of-thought on MSVAMP, NTREX-128 news, GSM8K train), never MGSM
+    heldout_fraction: float = 0.05
+    heldout_max: int = 64
+    news_max_lines: int = 16
+    use_gsm8k: bool = True
+    # tokenizer: byte-level BPE trained on the same number of characters of every language
+    vocab_size: int = 12000
+    tokenizer_chars_per_language: int | None = None
+    # language-model training
+    seq_len: int = 256
+    max_positions: int = 1024
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    heldout_windows: int = 32
+    train_max_seconds: float | None = None
+    verifier: ModelSpec = field(default_factory=lambda: ModelSpec(
+        name="verifier", arch="llama", hidden_size=384, num_layers=9, num_heads=6, num_kv_heads=2,
+        intermediate_size=1024, steps=2500, batch_size=32, lr=1e-3))
+    drafters: list[ModelSpec] = field(default_factory=lambda: [
+        ModelSpec(name="small-skewed", arch="llama", hidden_size=256, num_layers=3, num_heads=4, num_kv_heads=2,
+                  intermediate_size=704, mix={"ja": 0.2, "th": 0.05, "bn": 0.05, "sw": 0.02, "te": 0.02},
+                  steps=1500, batch_size=32, lr=1.5e-3),
+        ModelSpec(name="tiny-en", arch="qwen2", hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1,
+                  intermediate_size=384, mix={"en": 10.0, "th": 0.1, "bn": 0.1, "sw": 0.1, "te": 0.1},
+                  steps=1500, batch_size=32, lr=2e-3),
+        ModelSpec(name="self2", self_layers=2),
+    ])
+    max_file_mb: float = 15.0
+    # evaluation on MGSM (built-in, or a folder in MGSM's format)
+    eval_data: str = "mgsm"
+    eval_texts: int = 64
+    eval_prompts: int = 32
+    prompt_template: bool = True
+    max_prompt_tokens: int = 448
+    max_new_tokens: int = 64
+    num_draft_tokens: int = 4
+    temperature: float = 1.0
+    eval_batch_size: int = 16
+    max_length: int = 256
+    wall_clock: bool = True
+    wall_clock_repeats: int = 2
+    wall_clock_variants: list[str] | None = None
+    cost_repeats: int = 5
+    fingerprint_prompts: int = 8
+    fingerprint_tokens: int = 16
+    # finetuning: the same steps and data for every variant
+    variants: list[str] = field(default_factory=lambda: [  # run in this order: the key comparisons first
+        "none", "uniform_kd", "scdf_kl", "scdf_char_kl", "scdf_ce", "scdf_tv", "balanced", "exact_variance"])
+    finetune_steps: int = 300
+    finetune_batch_size_per_task: int = 8
+    finetune_seq_len: int = 128
+    finetune_lr: float = 3e-4
+    finetune_eval_every: int = 100
+    finetune_eval_examples: int = 16
+    weight_floor: float = 0.0
+    # a second notion of task: math chain-of-thought against news text within a language
+    domain_pair: str | None = None
+    domain_languages: list[str] = field(default_factory=lambda: ["en"])
+    domain_variants: list[str] = field(default_factory=lambda: ["none", "uniform_kd", "scdf_kl", "scdf_char_kl"])
+
+    def __post_init__(self) -> None:
+        if isinstance(self.verifier, dict):
+            self.verifier = ModelSpec(**self.verifier)
+        self.drafters = [ModelSpec(**d) if isinstance(d, dict) else d for d in self.drafters]
+        self.check()
+
+    # ------------------------------------------------------------------------------------------------------ checks
+    def check(self) -> None:
+        if not isinstance(self.languages, list) or not self.languages or \
+                not all(isinstance(lang, str) and lang for lang in self.languages):
+            raise ValueError(f"languages must be a non-empty list of language codes, got {self.languages!r}")
+        if len(set(self.languages)) != len(self.languages):
+            raise ValueError(f"languages has duplicates: {self.languages}")
+        if self.dominant_language not in self.languages:
+            raise ValueError(f"dominant_language {self.dominant_language!r} is not one of languages "
+                             f"{self.languages}")
+        self.verifier.check("verifier")
+        if self.verifier.self_layers is not None:
+            raise ValueError("verifier.self_layers must be null (the verifier is trained, not cut from a model)")
+        if not self.drafters:
+            raise ValueError("drafters must name at least one drafter")
+        names = [d.name for d in self.drafters]
+        if len(set(names)) != len(names) or "verifier" in names:
+            raise ValueError(f"drafters need distinct names other than 'verifier', got {names}")
+        for index, spec in enumerate(self.drafters):
+            spec.check(f"drafters[{index}]")
+            if spec.self_layers is not None and spec.self_layers >= self.verifier.num_layers:
+                raise ValueError(f"drafters[{index}].self_layers must be below the verifier's "
+                                 f"{self.verifier.num_layers} layers, got {spec.self_layers}")
+        for name in ("variants", "domain_variants"):
+            values = getattr(self, name)
+            if not isinstance(values, list) or not values:
+                raise ValueError(f"{name} must be a non-empty list of variant names, got {values!r}")
+            for variant in values:
+                parse_variant(variant, name)
+        if self.wall_clock_variants is not None:
+            for variant in self.wall_clock_variants:
+                parse_variant(variant, "wall_clock_variants")
+        if self.domain_pair is not None and self.domain_pair not in names:
+            raise ValueError(f"domain_pair must be one of the drafters {names} or null, got {self.domain_pair!r}")
+        unknown = [lang for lang in self.domain_languages if lang not in self.languages]
+        if unknown:
+            raise ValueError(f"domain_languages {unknown} are not in languages {self.languages}")
+        if not 0 < self.heldout_fraction < 1:
+            raise ValueError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction!r}")
+        positive = ("heldout_max", "news_max_lines", "vocab_size", "seq_len", "max_positions", "heldout_windows",
+                    "eval_texts", "eval_prompts", "max_prompt_tokens", "max_new_tokens", "num_draft_tokens",
+                    "eval_batch_size", "max_length", "wall_clock_repeats", "cost_repeats", "fingerprint_prompts",
+                    "fingerprint_tokens", "finetune_batch_size_per_task", "finetune_seq_len",
+                    "finetune_eval_every", "finetune_eval_examples")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("warmup_steps", "finetune_steps", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.vocab_size < 300:
+            raise ValueError(f"vocab_size must be at least 300 (256 byte symbols, 4 special tokens and merges), got "
+                             f"{self.vocab_size}")
+        if self.seq_len + 1 > self.max_positions or self.finetune_seq_len > self.max_positions:
+            raise ValueError(f"seq_len + 1 and finetune_seq_len must fit max_positions={self.max_positions}")
+        if self.max_prompt_tokens + self.max_new_tokens + self.num_draft_tokens + 1 > self.max_positions:
+            raise ValueError(f"max_prompt_tokens + max_new_tokens + num_draft_tokens + 1 must fit max_positions="
+                             f"{self.max_positions}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if self.train_max_seconds is not None and not self.train_max_seconds > 0:
+            raise ValueError(f"train_max_seconds must be > 0 or null, got {self.train_max_seconds!r}")
+        if not self.max_file_mb > 0:
+            raise ValueError(f"max_file_mb must be > 0, got {self.max_file_mb!r}")
+
+    # --------------------------------------------------------------------------------------------------- accessors
+    def drafter(self, name: str) -> ModelSpec:
+        for spec in self.drafters:
+            if spec.name == name:
+                return spec
+        raise ValueError(f"no drafter named {name!r}; the drafters are {[d.name for d in self.drafters]}")
+
+    @property
+    def trained_models(self) -> list[ModelSpec]:
+        """The verifier and the drafters trained from scratch (self-drafters are cut from the verifier)."""
+        return [self.verifier] + [d for d in self.drafters if d.self_layers is None]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def save(self, folder: str | Path) -> Path:
+        path = Path(folder) / CONFIG_NAME
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        return path
+
+
+def parse_variant(name: str, where: str = "variant") -> dict[str, Any] | None:
+    """The :class:`specdec.FinetuneConfig` fields of a variant (None for ``"none"``, no finetuning)."""
+    if name == "none":
+        return None
+    match = VARIANT_PATTERN.match(name) if isinstance(name, str) else None
+    if match is None:
+        raise ValueError(f"{where}: unknown variant {name!r}; use 'none' or <method>[_char][_<basis>] with method in "
+                         f"{METHODS} and basis in {WEIGHT_BASES} (e.g. scdf_kl, scdf_char_kl, exact_variance)")
+    method, per_character, basis = match["method"], bool(match["char"]), match["basis"] or "ce"
+    if per_character and method not in ("scdf", "exact_variance"):
+        raise ValueError(f"{where}: variant {name!r}: per-character weights need method scdf or exact_variance")
+    return {"method": method, "weight_basis": basis, "per_character": per_character}
+
+
+def smoke_preset() -> dict[str, Any]:
+    """Tiny models and few steps: the whole pipeline on a CPU in well under a minute on small data."""
+    return {
+        "preset": "smoke", "vocab_size": 320, "seq_len": 48, "max_positions": 160, "warmup_steps": 2,
+        "heldout_fraction": 0.2, "heldout_max": 6, "news_max_lines": 4, "heldout_windows": 4,
+        "verifier": {"name": "verifier", "arch": "llama", "hidden_size": 32, "num_layers": 2, "num_heads": 2,
+                     "num_kv_heads": 1, "intermediate_size": 64, "steps": 12, "batch_size": 8, "lr": 3e-3},
+        "drafters": [
+            {"name": "small-skewed", "arch": "llama", "hidden_size": 16, "num_layers": 1, "num_heads": 2,
+             "num_kv_heads": 1, "intermediate_size": 32, "mix": {"ru": 0.05}, "steps": 6, "batch_size": 8,
+             "lr": 3e-3},
+            {"name": "tiny-en", "arch": "qwen2", "hidden_size": 16, "num_layers": 1, "num_heads": 2,
+             "num_kv_heads": 1, "intermediate_size": 32, "mix": {"en": 10.0, "ru": 0.1}, "steps": 6,
+             "batch_size": 8, "lr": 3e-3},
+            {"name": "self1", "self_layers": 1},
+        ],
+        "eval_texts": 3, "eval_prompts": 2, "max_prompt_tokens": 96, "max_new_tokens": 6, "eval_batch_size": 2,
+        "max_length": 64, "wall_clock_repeats": 1, "cost_repeats": 1, "fingerprint_prompts": 2,
+        "fingerprint_tokens": 4, "finetune_steps": 2, "finetune_batch_size_per_task": 2, "finetune_seq_len": 24,
+        "finetune_eval_every": 2, "finetune_eval_examples": 2, "domain_variants": ["none", "uniform_kd", "scdf_kl"],
+    }
+
+
+PRESETS = {"full": dict, "smoke": smoke_preset}
+"""Preset name -> the fields it sets on top of the defaults (``full``: the defaults, for one GPU)."""
+
+
+def parse_overrides(items: list[str] | None) -> dict[str, Any]:
+    """``["key=value", ...]`` -> ``{key: value}``, the value read as JSON (a bare word stays a string)."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set takes key=value (value in JSON, e.g. finetune_steps=100 or "
+                             f"languages='[\"en\",\"de\"]'), got {item!r}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def build_config(preset: str = "full", file: str | Path | None = None,
+                 overrides: dict[str, Any] | None = None) -> PipelineConfig:
+    """The settings of ``file`` (a ``config.json``) or of ``preset``, with ``overrides`` applied and checked."""
+    if file is not None:
+        path = Path(file)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {path} does not exist (run the prepare stage first, or pass "
+                                    "--preset)")
+        base = json.loads(path.read_text(encoding="utf-8"))
+    else:
+        if preset not in PRESETS:
+            raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+        base = PRESETS[preset]()
+    fields = {f.name for f in dataclasses.fields(PipelineConfig)}
+    merged = {**base, **(overrides or {})}
+    unknown = sorted(set(merged) - fields)
+    if unknown:
+        raise ValueError(f"unknown setting(s) {unknown}; the settings are {sorted(fields)}")
+    return PipelineConfig(**merged)

@@ -1,0 +1,163 @@
+"""Evaluation of a pair on the MGSM languages (or other tasks) with :func:`specdec.evaluate`, the per-character
+figures computed from what it returns, and the verifier's fingerprint (weights and greedy outputs).
+
+Per task T, besides evaluate's figures (alpha teacher-forced and in generation, tokens and characters per verifier
+call, predicted and measured speed-up, K_T, D_T, TV_T, fitness), with ``rho_T`` evaluate's characters per token:
+
+* ``char_rate_predicted = rho_T * S(alpha_T)``: characters per unit of verifier-step time, relative to one token per
+  verifier call (the per-character speed-up a reader of T experiences; DESIGN.md, "Per character");
+* ``char_rate_generation = chars_per_call / (K c + 1)``: the same from the characters measured in generation;
+* ``char_rate_measured = rho_T * speedup_measured``: the same from the timed wall clock;
+* ``kl_per_char = D_T / rho_T``: the misfit per character the drafter can change.
+
+Across tasks (the summary row): U on K_T, D_T, TV_T and on ``D_T / rho_T``, mean / worst / std of alpha and of the
+rates, max/min ratios, Spearman correlations of fitness (and of the drafter's data share of each language) with the
+speed-ups, and the dominant language's alpha and rate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import statistics
+from typing import Any
+
+import torch
+
+from specdec.fairness import TaskData, evaluate, spearman, unfairness
+
+from .corpus import BOS_ID, DEFAULT_TRIGGER, EOS_ID, PAD_ID, cot_prompt
+
+
+def mgsm_tasks(cfg: Any, tokenizer: Any, triggers: dict[str, str], languages: list[str] | None = None
+               ) -> dict[str, TaskData]:
+    """The evaluation tasks: one per language of ``cfg.eval_data`` (``"mgsm"``, the built-in set, or a folder in its
+    format). Texts (teacher forcing): the first ``eval_texts`` of each language as given (question, newline, answer).
+    Prompts (generation): the first ``eval_prompts`` questions, in the chain-of-thought template the models were
+    trained on when ``prompt_template`` (``Question:`` / ``Answer:`` and the language's "let's think step by step"),
+    encoded with ``<bos>`` and cut to their last ``max_prompt_tokens`` tokens."""
+    from specdec.data import load_tasks
+
+    languages = list(languages or cfg.languages)
+    loaded = load_tasks(cfg.eval_data, names=languages, as_task_data=False)
+    tasks = {}
+    for lang in languages:
+        entry = loaded[lang]
+        if not entry.texts or not entry.prompts:
+            raise ValueError(f"eval_data {cfg.eval_data!r}: language {lang!r} needs prompts and texts")
+        prompts = entry.prompts[: cfg.eval_prompts]
+        if cfg.prompt_template:
+            prompts = [cot_prompt(q, triggers.get(lang, DEFAULT_TRIGGER)) for q in prompts]
+        tasks[lang] = TaskData(prompts=encode_prompts(tokenizer, prompts, cfg.max_prompt_tokens),
+                               texts=list(entry.texts[: cfg.eval_texts]))
+    return tasks
+
+
+def encode_prompts(tokenizer: Any, prompts: list[str], most: int) -> list[list[int]]:
+    """``<bos>`` and the last ``most - 1`` tokens of every prompt."""
+    out = []
+    for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]:
+        out.append([BOS_ID] + list(ids)[-(most - 1):])
+    return out
+
+
+def evaluate_pair(verifier: torch.nn.Module, drafter: torch.nn.Module, tasks: dict[str, TaskData], tokenizer: Any,
+                  cfg: Any, cost: Any, wall_clock: bool, progress: bool) -> Any:
+    """:func:`specdec.evaluate` with the pipeline's settings (the generation runs on ``specdec.generate``'s default
+    path: static with CUDA graphs on a GPU)."""
+    return evaluate(verifier, drafter, tasks, tokenizer=tokenizer, num_draft_tokens=cfg.num_draft_tokens,
+                    temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.eval_batch_size,
+                    cost_ratio=cost, seed=cfg.seed, progress=progress, max_length=cfg.max_length,
+                    eos_token_id=EOS_ID, pad_token_id=PAD_ID, add_special_tokens=True, wall_clock=wall_clock,
+                    wall_clock_repeats=cfg.wall_clock_repeats)
+
+
+def _spread(values: list[float], prefix: str) -> dict[str, float | None]:
+    if not values:
+        return {}
+    low, high = min(values), max(values)
+    return {f"{prefix}_mean": statistics.fmean(values), f"{prefix}_min": low, f"{prefix}_max": high,
+            f"{prefix}_std": statistics.pstdev(values),
+            f"{prefix}_max_over_min": high / low if low > 0 else None}
+
+
+def report_rows(report: Any, meta: dict[str, Any], share: dict[str, float] | None,
+                dominant: str | None) -> list[dict[str, Any]]:
+    """One ``kind="task"`` row per task and one ``kind="summary"`` row, each carrying ``meta``."""
+    summary = report.summary
+    c = float(summary.get("cost_ratio") or 0.0)
+    K = int(summary.get("num_draft_tokens", 0))
+    rows = []
+    for task in report.tasks:
+        row = {**meta, "kind": "task", "task": task.name, **dataclasses.asdict(task)}
+        rho = task.chars_per_token
+        row["char_rate_predicted"] = rho * task.speedup_predicted if rho and task.speedup_predicted else None
+        row["char_rate_generation"] = (task.chars_per_call / (K * c + 1.0)
+                                       if task.chars_per_call is not None else None)
+        row["char_rate_measured"] = rho * task.speedup_measured if rho and task.speedup_measured else None
+        row["kl_per_char"] = task.kl / rho if rho and task.kl is not None else None
+        row["data_share"] = share.get(task.name) if share else None
+        rows.append(row)
+    out = {**meta, "kind": "summary", **{k: v for k, v in summary.items() if k != "bound_violations"},
+           "bound_violations": len(summary.get("bound_violations", []))}
+
+    def column(key: str) -> list[float]:
+        return [r[key] for r in rows if r.get(key) is not None]
+
+    for key, prefix in (("alpha", "alpha"), ("alpha_measured", "alpha_measured"),
+                        ("speedup_predicted", "speedup_predicted"), ("speedup_measured", "speedup_measured"),
+                        ("tokens_per_call", "tokens_per_call"), ("chars_per_call", "chars_per_call"),
+                        ("char_rate_predicted", "char_rate_predicted"),
+                        ("char_rate_generation", "char_rate_generation"),
+                        ("char_rate_measured", "char_rate_measured"), ("chars_per_token", "chars_per_token")):
+        out.update(_spread(column(key), prefix))
+    scored = [r for r in rows if r.get("alpha") is not None]
+    if scored:
+        out["worst_alpha_task"] = min(scored, key=lambda r: r["alpha"])["task"]
+        out["U_ce"] = unfairness([r["cross_entropy"] for r in scored])
+        out["U_kl"] = unfairness([r["kl"] for r in scored])
+        out["U_tv"] = unfairness([r["tv"] for r in scored])
+    per_char = column("kl_per_char")
+    out["U_kl_per_char"] = unfairness(per_char) if per_char and len(per_char) == len(rows) else None
+    rated = [r for r in rows if r.get("char_rate_predicted") is not None]
+    if rated:
+        out["worst_char_rate_task"] = min(rated, key=lambda r: r["char_rate_predicted"])["task"]
+
+    def rank(x_key: str, y_key: str) -> float | None:
+        pairs = [(r[x_key], r[y_key]) for r in rows if r.get(x_key) is not None and r.get(y_key) is not None]
+        if len(pairs) < 3:
+            return None
+        return spearman([p[0] for p in pairs], [p[1] for p in pairs])
+
+    out["spearman_fitness_speedup_predicted"] = rank("fitness", "speedup_predicted")
+    out["spearman_fitness_speedup_measured"] = rank("fitness", "speedup_measured")
+    out["spearman_fitness_char_rate"] = rank("fitness", "char_rate_predicted")
+    out["spearman_share_char_rate"] = rank("data_share", "char_rate_predicted")
+    out["spearman_share_alpha"] = rank("data_share", "alpha")
+    if dominant is not None:
+        for r in rows:
+            if r["task"] == dominant:
+                out["dominant_task"] = dominant
+                out["dominant_alpha"] = r.get("alpha")
+                out["dominant_char_rate"] = r.get("char_rate_predicted")
+    rows.append(out)
+    return rows
+
+
+@torch.no_grad()
+def verifier_fingerprint(verifier: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> dict[str, str]:
+    """SHA-256 of the verifier's weights and of its greedy continuations (Hugging Face ``generate``) of
+    ``prompts``: equal before and after finetuning when the verifier is unchanged."""
+    from specdec.fairness import pad_batch
+
+    from .models import weights_digest
+
+    device = next(verifier.parameters()).device
+    was_training = verifier.training
+    verifier.eval()
+    ids, mask = pad_batch(prompts, PAD_ID, "left", device)
+    out = verifier.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                            pad_token_id=PAD_ID, eos_token_id=EOS_ID)
+    verifier.train(was_training)
+    greedy = hashlib.sha256(out.cpu().numpy().tobytes()).hexdigest()
+    return {"weights_sha256": weights_digest(verifier), "greedy_sha256": greedy}

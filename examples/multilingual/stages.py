@@ -1,0 +1,376 @@
+"""The stages of the pipeline. Each reads what earlier stages wrote to the work folder and writes its results as JSON
+rows (one ``.jsonl`` file per run of a stage) under ``<results>/rows/``; README.md lists what each reads and writes.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import warnings
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import corpus as corpus_module
+from .config import PipelineConfig, parse_variant
+from .corpus import PAD_ID, Corpus, encode, load_tokenizer
+from .evaluation import encode_prompts, evaluate_pair, mgsm_tasks, report_rows, verifier_fingerprint
+from .models import (
+    TokenStreams,
+    build_model,
+    count_parameters,
+    load_model,
+    save_model,
+    train_language_model,
+    weights_digest,
+)
+
+EXPERIMENTS = ("languages", "domains")
+
+
+@dataclass
+class Context:
+    """What every stage needs: the settings, the folders, the device, and the process's place in a torchrun job."""
+
+    cfg: PipelineConfig
+    work: Path
+    results: Path
+    device: torch.device
+    progress: bool = True
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def eval_dtype(self) -> torch.dtype:
+        """bf16 on a GPU (the models as saved), float32 on the CPU."""
+        return torch.bfloat16 if self.device.type == "cuda" else torch.float32
+
+    def models_dir(self) -> Path:
+        return self.work / "models"
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: the GPU of this process (``LOCAL_RANK`` under torchrun) when there is one, else the CPU."""
+    if name not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {name!r}")
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device cuda was asked for but torch sees no GPU")
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(index)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    return torch.device("cuda", index)
+
+
+def init_distributed(device: torch.device) -> tuple[int, int]:
+    """(rank, world size): joins the torchrun job (NCCL on GPUs, gloo on the CPU) when ``WORLD_SIZE`` > 1."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(minutes=30))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def barrier(ctx: Context) -> None:
+    import torch.distributed as dist
+
+    if ctx.world > 1 and dist.is_initialized():
+        dist.barrier()
+
+
+def name_seed(seed: int, name: str) -> int:
+    """A seed of its own for every model (the same in every run with the same ``seed``)."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**31
+
+
+def write_rows(ctx: Context, name: str, rows: list[dict[str, Any]]) -> Path:
+    """``<results>/rows/<name>.jsonl`` (replaced): the rows of one run of a stage."""
+    path = ctx.results / "rows" / f"{name}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False, default=_json_default) + "\n")
+    return path
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"cannot write {type(value).__name__} to JSON")
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+# ------------------------------------------------------------------------------------------------------------ prepare
+def stage_prepare(ctx: Context, data: str | Path) -> dict[str, Any]:
+    """Corpus and tokenizer (see :mod:`corpus`); the settings go to ``<work>/config.json``."""
+    from specdec.data import load_tasks
+
+    cfg = ctx.cfg
+    start = time.perf_counter()
+    loaded = load_tasks(cfg.eval_data, names=cfg.languages, as_task_data=False)
+    questions = {lang: {q.strip() for q in entry.prompts} for lang, entry in loaded.items()}
+    manifest = corpus_module.prepare(data, ctx.work, cfg, eval_questions=questions, progress=ctx.progress)
+    cfg.save(ctx.work)
+    seconds = time.perf_counter() - start
+    rows = [{"kind": "prepare", "time": _now(), "seconds": seconds, "preset": cfg.preset,
+             "vocab_size": manifest["vocab_size"], "tokenizer_chars_per_language":
+                 manifest["tokenizer_chars_per_language"], "stats": manifest["stats"],
+             "dropped_as_evaluation_questions": manifest["dropped_as_evaluation_questions"]}]
+    write_rows(ctx, "prepare", rows)
+    return manifest
+
+
+# -------------------------------------------------------------------------------------------------------------- train
+def _streams(ctx: Context, tokenizer: Any, corpus: Corpus, split: str) -> TokenStreams:
+    return TokenStreams({lang: encode(tokenizer, corpus.texts(split, lang)) for lang in ctx.cfg.languages},
+                        ctx.cfg.seq_len)
+
+
+def stage_train(ctx: Context, names: list[str] | None = None, export: str | Path | None = None
+                ) -> list[dict[str, Any]]:
+    """Train the verifier (balanced mix) and the drafters (their mixes) from scratch; write them to
+    ``<work>/models/`` as bf16 safetensors (and a copy of every file to ``export`` as soon as it is written, so a
+    device run that is cut short still returns the models it finished)."""
+    cfg = ctx.cfg
+    specs = cfg.trained_models
+    if names:
+        known = [s.name for s in specs]
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise ValueError(f"--models: {unknown} are not trained models; choose from {known} (self-drafters "
+                             "are cut from the verifier, not trained)")
+        specs = [s for s in specs if s.name in names]
+    tokenizer = load_tokenizer(ctx.work)
+    corpus = Corpus(ctx.work)
+    train, heldout = _streams(ctx, tokenizer, corpus, "train"), _streams(ctx, tokenizer, corpus, "heldout")
+    rows = []
+    for spec in specs:
+        balanced = {lang: 1.0 / len(cfg.languages) for lang in cfg.languages}
+        weights = balanced if spec.name == "verifier" else spec.weights(cfg.languages)
+        model = build_model(spec, len(tokenizer), cfg.max_positions, name_seed(cfg.seed, spec.name)).to(ctx.device)
+        log = train_language_model(model, train, weights, steps=spec.steps, batch_size=spec.batch_size, lr=spec.lr,
+                                   warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
+                                   seed=name_seed(cfg.seed, spec.name + "/data"), heldout=heldout,
+                                   heldout_windows=cfg.heldout_windows, progress=ctx.progress, name=spec.name,
+                                   max_seconds=cfg.train_max_seconds)
+        files = save_model(model, ctx.models_dir(), spec.name, max_file_mb=cfg.max_file_mb)
+        if export is not None:
+            Path(export).mkdir(parents=True, exist_ok=True)
+            for path in files:
+                shutil.copy2(path, Path(export) / path.name)
+        rows.append({"kind": "train", "time": _now(), "preset": cfg.preset, "model": spec.name, "arch": spec.arch,
+                     "params": count_parameters(model), "hidden_size": spec.hidden_size,
+                     "num_layers": spec.num_layers, "device": _device_name(ctx.device),
+                     "files": {p.name: p.stat().st_size for p in files}, **log})
+        del model
+    write_rows(ctx, "train__" + "+".join(s.name for s in specs), rows)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------- finetune and evaluate
+def _initial_drafter(ctx: Context, verifier: torch.nn.Module, pair: str) -> torch.nn.Module:
+    """The pair's drafter before finetuning, in float32 (the optimizer's master weights)."""
+    from specdec import layer_skip_drafter
+
+    spec = ctx.cfg.drafter(pair)
+    if spec.self_layers is not None:
+        # a copy of the frozen verifier's first layers: trainable again
+        return layer_skip_drafter(verifier, spec.self_layers, share_weights=False).float().requires_grad_(True)
+    return load_model(ctx.models_dir(), pair, dtype=torch.float32, device=ctx.device)
+
+
+def _chars_per_token(texts: list[str], encoded: list[list[int]]) -> float:
+    """rho as :func:`specdec.finetune_drafter` measures it: characters over token ids (``<bos>``, ``<eos>`` counted)."""
+    return sum(len(t) for t in texts) / sum(len(ids) for ids in encoded)
+
+
+def _task_data(ctx: Context, tokenizer: Any, corpus: Corpus, experiment: str) -> dict[str, Any]:
+    """The finetuning tasks (token ids of the training split), their ``rho``, the finetuning's own evaluation texts
+    (held-out split) and the evaluation tasks of ``experiment``."""
+    from specdec.fairness import TaskData
+
+    cfg = ctx.cfg
+    if experiment == "languages":
+        keys = [(lang, None) for lang in cfg.languages]
+    else:
+        keys = [(lang, domain) for lang in cfg.domain_languages for domain in corpus_module.DOMAINS]
+    train, rho, ft_eval, evaluation = {}, {}, {}, {}
+    for lang, domain in keys:
+        name = lang if domain is None else f"{lang}/{domain}"
+        texts = corpus.texts("train", lang, domain)
+        if not texts:
+            raise ValueError(f"task {name!r} has no training texts in {ctx.work / 'corpus'}")
+        train[name] = encode(tokenizer, texts)
+        rho[name] = _chars_per_token(texts, train[name])
+        held = encode(tokenizer, corpus.texts("heldout", lang, domain))
+        if not held:
+            raise ValueError(f"task {name!r} has no held-out texts in {ctx.work / 'corpus'}")
+        ft_eval[name] = [ids[: cfg.finetune_seq_len] for ids in held[: cfg.finetune_eval_examples]]
+        if domain is not None:
+            prompts = corpus.texts("heldout", lang, domain, field="prompt")[: cfg.eval_prompts]
+            evaluation[name] = TaskData(prompts=encode_prompts(tokenizer, prompts, cfg.max_prompt_tokens),
+                                        texts=corpus.texts("heldout", lang, domain)[: cfg.eval_texts])
+    if experiment == "languages":
+        evaluation = mgsm_tasks(cfg, tokenizer, corpus.triggers)
+    return {"train": train, "rho": rho, "ft_eval": ft_eval, "evaluation": evaluation}
+
+
+def _finetune_config(ctx: Context, fields: dict[str, Any]) -> Any:
+    from specdec import FinetuneConfig
+
+    cfg = ctx.cfg
+    return FinetuneConfig(**fields, steps=cfg.finetune_steps, batch_size_per_task=cfg.finetune_batch_size_per_task,
+                          seq_len=cfg.finetune_seq_len, lr=cfg.finetune_lr, eval_every=cfg.finetune_eval_every,
+                          weight_floor=cfg.weight_floor, temperature=cfg.temperature if cfg.temperature > 0 else 1.0,
+                          seed=cfg.seed)
+
+
+def stage_finetune(ctx: Context, pairs: list[str] | None = None, variants: list[str] | None = None,
+                   experiment: str = "languages", save_drafters: bool = False) -> list[dict[str, Any]]:
+    """For every pair and variant: finetune a copy of the pair's drafter (the same steps and data for every
+    variant; ``none`` is the drafter as trained), check that the verifier is unchanged (weights and greedy outputs),
+    evaluate, and write one row per task and a summary row. Runs under torchrun (DDP finetuning, evaluation on rank
+    0)."""
+    from tqdm.auto import tqdm
+
+    from specdec import clear_static_caches, finetune_drafter
+    from specdec.fairness import measure_decode_costs
+
+    cfg = ctx.cfg
+    if experiment not in EXPERIMENTS:
+        raise ValueError(f"experiment must be one of {EXPERIMENTS}, got {experiment!r}")
+    pairs = pairs or ([cfg.domain_pair or cfg.drafters[0].name] if experiment == "domains"
+                      else [d.name for d in cfg.drafters])
+    for pair in pairs:
+        cfg.drafter(pair)  # ValueError naming the drafters for an unknown name
+    variants = variants or (cfg.domain_variants if experiment == "domains" else cfg.variants)
+    parsed = {variant: parse_variant(variant, "variants") for variant in variants}
+    tokenizer = load_tokenizer(ctx.work)
+    corpus = Corpus(ctx.work)
+    data = _task_data(ctx, tokenizer, corpus, experiment)
+    verifier = load_model(ctx.models_dir(), "verifier", dtype=ctx.eval_dtype, device=ctx.device)
+    verifier.requires_grad_(False)
+    fingerprint_prompts = [p for task in data["evaluation"].values() for p in task.prompts][: cfg.fingerprint_prompts]
+    before = verifier_fingerprint(verifier, fingerprint_prompts, cfg.fingerprint_tokens) if ctx.main else None
+    rows: list[dict[str, Any]] = []
+    tag = hashlib.sha256(",".join(variants).encode()).hexdigest()[:8]
+    rows_name = f"{experiment}__{'+'.join(pairs)}__{tag}__w{ctx.world}"
+    for pair in tqdm(pairs, desc=f"{experiment}: pairs", disable=not (ctx.progress and ctx.main)):
+        spec = cfg.drafter(pair)
+        initial = _initial_drafter(ctx, verifier, pair)
+        share = spec.weights(cfg.languages) if spec.self_layers is None and experiment == "languages" else None
+        cost = None
+        if ctx.main:  # c once per pair: finetuning changes the drafter's weights, not its cost
+            cost = measure_decode_costs(verifier, copy.deepcopy(initial).to(ctx.eval_dtype),
+                                        batch_size=cfg.eval_batch_size, repeats=cfg.cost_repeats,
+                                        temperature=cfg.temperature, seed=cfg.seed)
+        for variant in tqdm(variants, desc=f"{pair}: variants", disable=not (ctx.progress and ctx.main)):
+            fields = parsed[variant]
+            drafter = copy.deepcopy(initial)
+            meta: dict[str, Any] = {
+                "experiment": experiment, "pair": pair, "variant": variant, "time": _now(), "preset": cfg.preset,
+                "seed": cfg.seed, "world_size": ctx.world, "device": _device_name(ctx.device),
+                "drafter_self_layers": spec.self_layers, "finetune_steps": 0 if fields is None else
+                cfg.finetune_steps, "method": "none" if fields is None else fields["method"],
+                "weight_basis": None if fields is None else fields["weight_basis"],
+                "per_character": bool(fields and fields["per_character"])}
+            start = time.perf_counter()
+            if fields is not None:
+                result = finetune_drafter(drafter, verifier, data["train"], config=_finetune_config(ctx, fields),
+                                          eval_tasks=data["ft_eval"], chars_per_token=data["rho"],
+                                          pad_token_id=PAD_ID, progress=ctx.progress and ctx.main)
+                final = result.final
+                meta["finetune_final"] = {k: final.get(k) for k in ("U", "U_ce", "U_kl", "U_tv", "U_char_kl",
+                                                                    "mean_alpha", "worst_alpha", "worst_task")}
+                meta["finetune_initial"] = {k: result.initial.get(k) for k in meta["finetune_final"]}
+            meta["finetune_seconds"] = time.perf_counter() - start
+            meta["train_chars_per_token"] = data["rho"]
+            if save_drafters and ctx.main:
+                save_model(drafter, ctx.work / "finetuned", f"{experiment}__{pair}__{variant}__w{ctx.world}",
+                           max_file_mb=cfg.max_file_mb, dtype=torch.float32)
+            if ctx.main:
+                after = verifier_fingerprint(verifier, fingerprint_prompts, cfg.fingerprint_tokens)
+                if after["weights_sha256"] != before["weights_sha256"]:
+                    raise RuntimeError(f"the verifier's weights changed while finetuning {pair} with {variant}")
+                if after["greedy_sha256"] != before["greedy_sha256"]:  # same weights: kernel nondeterminism
+                    warnings.warn(f"the verifier's greedy outputs differ after finetuning {pair} with {variant} "
+                                  "although its weights are bitwise the same", RuntimeWarning, stacklevel=1)
+                meta.update(verifier_weights_unchanged=True,
+                            verifier_greedy_identical=after["greedy_sha256"] == before["greedy_sha256"],
+                            verifier_weights_sha256=after["weights_sha256"],
+                            verifier_greedy_sha256=after["greedy_sha256"])
+                meta["verifier_unchanged"] = meta["verifier_greedy_identical"]
+                wall_clock = cfg.wall_clock and (cfg.wall_clock_variants is None or variant in
+                                                 cfg.wall_clock_variants)
+                start = time.perf_counter()
+                report = evaluate_pair(verifier, drafter.to(ctx.eval_dtype).eval(), data["evaluation"], tokenizer,
+                                       cfg, cost, wall_clock, ctx.progress)
+                meta["eval_seconds"] = time.perf_counter() - start
+                meta["drafter_weights_sha256"] = weights_digest(drafter)
+                dominant = cfg.dominant_language if experiment == "languages" else None
+                rows += report_rows(report, meta, share, dominant)
+                write_rows(ctx, rows_name, rows)  # after every variant: a run cut short keeps what it finished
+            del drafter
+            clear_static_caches()
+            barrier(ctx)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------------------- ddp
+def stage_ddp_compare(ctx: Context) -> list[dict[str, Any]]:
+    """Compare every drafter finetuned by one process with the same run by more (``--save-drafters`` of the
+    finetune stage wrote both): the largest absolute and the relative L2 difference of their weights."""
+    folder = ctx.work / "finetuned"
+    runs: dict[str, dict[int, str]] = {}
+    for path in sorted(folder.glob("*__w*.safetensors")) if folder.is_dir() else []:
+        match = re.fullmatch(r"(?P<prefix>.+)__w(?P<world>\d+)(?:-\d\d-of-\d\d)?\.safetensors", path.name)
+        if match:
+            runs.setdefault(match["prefix"], {})[int(match["world"])] = f"{match['prefix']}__w{match['world']}"
+    rows = []
+    for prefix, by_world in sorted(runs.items()):
+        if 1 not in by_world or len(by_world) < 2:
+            continue
+        one = load_model(folder, by_world[1]).state_dict()
+        for world, name in sorted(by_world.items()):
+            if world == 1:
+                continue
+            other = load_model(folder, name).state_dict()
+            max_abs = max(float((one[k] - other[k]).abs().max()) for k in one)
+            diff = sum(float((one[k] - other[k]).double().pow(2).sum()) for k in one) ** 0.5
+            norm = sum(float(one[k].double().pow(2).sum()) for k in one) ** 0.5
+            experiment, pair, variant = prefix.split("__")
+            rows.append({"kind": "ddp", "time": _now(), "experiment": experiment, "pair": pair, "variant": variant,
+                         "world_size": world, "max_abs_weight_difference": max_abs,
+                         "relative_l2_weight_difference": diff / norm if norm else None})
+    if not rows:
+        raise ValueError(f"no pair of drafters finetuned by 1 and by more processes in {folder}: run the finetune "
+                         "stage with --save-drafters once as one process and once under torchrun")
+    write_rows(ctx, "ddp_compare", rows)
+    return rows
