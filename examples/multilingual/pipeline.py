@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         path = write_report(results, plots=not args.no_plots)
         print(f"report: {path}")
     if rank == 0:
-        print(f"{args.stage}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+        print(f"stage {args.stage} took {time.perf_counter() - start:.1f} s", file=sys.stderr)
     if world > 1:
         import torch.distributed as dist
 

@@ -299,5 +299,5 @@ def write_report(results: str | Path, plots: bool = True) -> Path:
     if figures:
         lines += ["## Figures", ""] + [f"![{p.stem}](figures/{p.name})" for p in figures] + [""]
     path = results / "report.md"
-    path.write_text("\n".join(lines), encoding="utf-8")
+    path.write_text("\n".join(lines).rstrip("\n") + "\n", encoding="utf-8")
     return path

@@ -310,7 +310,7 @@ def stage_finetune(ctx: Context, pairs: list[str] | None = None, variants: list[
                 meta["finetune_final"] = {k: final.get(k) for k in ("U", "U_ce", "U_kl", "U_tv", "U_char_kl",
                                                                     "mean_alpha", "worst_alpha", "worst_task")}
                 meta["finetune_initial"] = {k: result.initial.get(k) for k in meta["finetune_final"]}
-            meta["finetune_seconds"] = time.perf_counter() - start
+            meta["finetune_seconds"] = None if fields is None else time.perf_counter() - start
             meta["train_chars_per_token"] = data["rho"]
             if save_drafters and ctx.main:
                 save_model(drafter, ctx.work / "finetuned", f"{experiment}__{pair}__{variant}__w{ctx.world}",
