@@ -178,10 +178,13 @@ def _ddp_lines(all_runs: dict[tuple, dict[str, Any]], ddp_rows: list[dict[str, A
                                  f"K_T ({world})"], table)
         deltas = [abs(r[1] - r[2]) for r in table if r[1] is not None and r[2] is not None]
         if deltas:
-            lines.append(f"\nlargest |Δα| over the tasks: {max(deltas):.3g}")
+            lines.append(f"\nlargest |Δα| over the tasks: {max(deltas):.3g}; c = "
+                         f"{format_number(all_runs[experiment, pair, variant, 1]['summary'].get('cost_ratio'))} "
+                         f"(1 process) and {format_number(run['summary'].get('cost_ratio'))} ({world}), each "
+                         "measured in its own run, so the rates differ by their c as well")
     if ddp_rows:
         lines += ["", "Drafter weights, one process against several:", ""]
-        lines += markdown_table(["experiment", "pair", "variant", "processes", "max |Δw|", "‖Δw‖/‖w‖"],
+        lines += markdown_table(["experiment", "pair", "variant", "processes", "largest abs Δw", "‖Δw‖ / ‖w‖"],
                                 [[r["experiment"], r["pair"], r["variant"], r["world_size"],
                                   r["max_abs_weight_difference"], r["relative_l2_weight_difference"]]
                                  for r in ddp_rows])
