@@ -317,11 +317,15 @@ def command_finetune(args: argparse.Namespace) -> int:
     from specdec.compat import pair_positions
     from specdec.finetune import FinetuneConfig, finetune_drafter
 
+    if args.per_character and args.method not in ("scdf", "exact_variance"):
+        raise UsageError(f"argument --per-character: reweights the tasks of --method scdf or exact_variance; "
+                         f"{args.method} has no per-task weights")
     config = FinetuneConfig(method=args.method, weight_basis=args.weight_basis, weight_floor=args.weight_floor,
                             steps=args.steps, batch_size_per_task=args.batch_size_per_task, seq_len=args.seq_len,
                             lr=args.lr, eval_every=args.eval_every, eval_fraction=args.eval_fraction,
                             eval_examples=args.eval_examples, split_seed=args.split_seed,
-                            checkpoint_dir=args.checkpoint_dir, resume=not args.no_resume, seed=args.seed)
+                            checkpoint_dir=args.checkpoint_dir, resume=not args.no_resume, seed=args.seed,
+                            per_character=args.per_character)
     tasks = _load_tasks(args.tasks, args.max_examples, args.task_names)
     texts = {name: list(task.texts or task.prompts) for name, task in tasks.items()}
     eval_texts = None
@@ -504,6 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="training objective, see the methods below (default: scdf)")
     finetune.add_argument("--weight-basis", default="ce", choices=("ce", "kl", "tv"),
                           help="per-task value the weights are computed on (default: ce)")
+    finetune.add_argument("--per-character", action="store_true",
+                          help="s-CDF on per-character figures: weights on D_i / rho_i (rho_i = characters per token "
+                               "of task i), objective sum_i w_i K_i / rho_i (scdf and exact_variance; default: off)")
     finetune.add_argument("--weight-floor", type=_non_negative_float, default=0.0,
                           help="added to every s-CDF task weight, so the best task keeps some weight (default: 0.0)")
     finetune.add_argument("--steps", type=_non_negative_int, default=200, help="optimizer steps (default: 200)")

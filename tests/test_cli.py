@@ -347,7 +347,8 @@ def test_finetune_saves_a_loadable_drafter(capsys, pair_dirs, tasks_file, tmp_pa
     out_dir = tmp_path / "drafter-scdf"
     code, out, err = run_cli(capsys, "finetune", "--verifier", verifier_dir, "--drafter", drafter_dir, "--tasks",
                              str(tasks_file), "--steps", "2", "--batch-size-per-task", "2", "--seq-len", "16",
-                             "--output", str(out_dir), "--no-progress", "--method", "scdf", "--weight-basis", "kl")
+                             "--output", str(out_dir), "--no-progress", "--method", "scdf", "--weight-basis", "kl",
+                             "--per-character")
     assert code == 0, err
     assert "saved the finetuned drafter" in out and "U (kl)" in out
     assert "evaluated on 1 held-out text(s) per task, not trained on (--eval-fraction 0.1, --split-seed 0)" in out
@@ -383,6 +384,9 @@ def test_finetune_bad_inputs(capsys, pair_dirs, tasks_file, tmp_path):
     common = ["--verifier", verifier_dir, "--drafter", drafter_dir, "--output", str(tmp_path / "o")]
     code, _, err = run_cli(capsys, "finetune", *common, "--tasks", str(tasks_file), "--method", "magic")
     assert code == 2 and "--method" in err
+    code, _, err = run_cli(capsys, "finetune", *common, "--tasks", str(tasks_file), "--method", "balanced",
+                           "--per-character")
+    assert code == 2 and "argument --per-character: reweights the tasks of --method scdf" in err
     code, _, err = run_cli(capsys, "finetune", *common, "--tasks", str(tmp_path / "none.tsv"))
     assert code == 2 and "none.tsv" in err
     code, _, err = run_cli(capsys, "finetune", *common, "--tasks", str(tasks_file), "--lr", "0")
