@@ -135,7 +135,7 @@ def step_cost_ratio(verifier, drafter, batch: int, vocab: int, static: bool, com
     """c = one drafter decoding step / one verifier decoding step, on the static path (graph replays) or eager."""
     from specdec._fast_decode import _median_seconds
 
-    engine, _ = get_engine(verifier, drafter, batch, 256, vocab, 1, 1, torch.device("cuda"), "auto", True, compiled)
+    engine = get_engine(verifier, drafter, batch, 256, vocab, 1, 1, torch.device("cuda"), "auto", True, compiled)
     ids = torch.zeros((batch, 1), dtype=torch.int64, device="cuda")
     slots = torch.full((batch, 1), 100, dtype=torch.int64, device="cuda")
     seconds = {}

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec._draft_length import DraftLengthController
+from specdec._emission import add_position_counts, emission
 from specdec.kernels.rejection_sampling_reference import exponential_race
 from specdec.sampling import filter_logits_unchecked, rejection_sample_unchecked
 
@@ -159,7 +160,6 @@ def decode_eager(verifier: torch.nn.Module, drafter: torch.nn.Module, input_ids:
         num_drafts = controller.choose() if controller is not None else draft_lengths[0]
         rounds.append(num_drafts)
         draft_index = torch.arange(num_drafts, device=device)
-        emit_index = torch.arange(num_drafts + 1, device=device)
         if cur_len + num_drafts + 1 > seq.shape[1]:
             grow = seq.shape[1]
             seq = torch.cat([seq, torch.full((batch, grow), pad, dtype=torch.int64, device=device)], dim=1)
@@ -202,30 +202,18 @@ def decode_eager(verifier: torch.nn.Module, drafter: torch.nn.Module, input_ids:
         stream_pos = stream_pos + num_drafts + 1
 
         # Emit: n + 1 tokens per active row, cut at eos and at max_new_tokens.
-        remaining = max_new_tokens - generated
-        emit = (emit_index[None] <= num_accepted[:, None]) & (emit_index[None] < remaining[:, None]) & active[:, None]
-        first_eos = torch.full_like(generated, num_drafts + 1)
-        if eos_ids:
-            is_eos = torch.isin(new_tokens, eos_tensor) & emit
-            first_eos = torch.where(is_eos.any(dim=1), is_eos.to(torch.int64).argmax(dim=1), num_drafts + 1)
-            emit &= emit_index[None] <= first_eos[:, None]
-            hit_eos = is_eos.any(dim=1)
-        else:
-            hit_eos = torch.zeros_like(finished)
+        emit, hit_eos, accepted, attempted = emission(new_tokens, num_accepted, num_drafts,
+                                                      max_new_tokens - generated, active, eos_tensor)
         emit_count = emit.sum(dim=1)
         emit_rows, emit_cols = emit.nonzero(as_tuple=True)
         out_tokens[emit_rows, generated[emit_rows] + emit_cols] = new_tokens[emit_rows, emit_cols]
         generated += emit_count
 
-        # acceptance tests count up to an emitted eos (none after it), also past the budget (they were decided)
-        accepted = torch.minimum(num_accepted, first_eos + 1) * active
-        attempted = torch.minimum(torch.clamp(num_accepted + 1, max=num_drafts), first_eos + 1) * active
         counters["drafted"] += active * num_drafts
         counters["accepted"] += accepted
         counters["verifier_calls"] += active.to(torch.int64)
         counters["drafter_calls"] += active * num_drafts
-        accepted_per_position[:, :num_drafts] += draft_index[None] < accepted[:, None]
-        attempted_per_position[:, :num_drafts] += draft_index[None] < attempted[:, None]
+        add_position_counts(accepted_per_position, attempted_per_position, accepted, attempted, num_drafts)
         if controller is not None:
             if num_drafts:
                 controller.observe(*torch.stack([accepted.sum(), attempted.sum()]).tolist())

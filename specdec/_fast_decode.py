@@ -27,6 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec._draft_length import DraftLengthController
+from specdec._eager_decode import DecodeResult
+from specdec._emission import add_position_counts, emission
 from specdec._slot_cache import SlotCache, cache_argument, slot_attention_mask
 from specdec.kernels.rejection_sampling_reference import exponential_race
 from specdec.sampling import filter_logits_unchecked, rejection_sample_unchecked
@@ -108,7 +111,6 @@ class StaticEngine:
     def __init__(self, verifier: torch.nn.Module, drafter: torch.nn.Module, batch: int, capacity: int, vocab: int,
                  max_drafts: int, num_eos: int, device: torch.device, backend: str, use_graphs: bool,
                  compile_models: bool = False):
-        self.batch, self.capacity, self.vocab, self.max_drafts = batch, capacity, vocab, max_drafts
         self.device, self.backend, self.use_graphs = device, backend, use_graphs
         zeros = lambda *shape, dtype=torch.int64: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         self.key_ok = torch.ones((batch, capacity), dtype=torch.bool, device=device)
@@ -246,15 +248,10 @@ class StaticEngine:
     def _commit(self, tokens: torch.Tensor, num_accepted: torch.Tensor, num_drafts: int, bad: torch.Tensor,
                 active: torch.Tensor) -> None:
         """Emits ``tokens[:, :n + 1]`` (cut at eos and the budget), advances the rows and counts."""
-        n = self.slot_len
-        index = torch.arange(num_drafts + 1, device=self.device)
-        emit = (index <= num_accepted[:, None]) & (index < (self.max_new - self.generated)[:, None]) & active[:, None]
-        is_eos = (tokens[..., None] == self.eos).any(dim=-1) & emit
-        hit_eos = is_eos.any(dim=1)
-        first_eos = torch.where(hit_eos, is_eos.to(torch.int64).argmax(dim=1), num_drafts + 1)
-        emit = emit & (index <= first_eos[:, None])
+        emit, hit_eos, accepted, attempted = emission(tokens, num_accepted, num_drafts, self.max_new - self.generated,
+                                                      active, self.eos)
         count = emit.sum(dim=1)
-        write = n[:, None] + index
+        write = self.slot_len[:, None] + torch.arange(num_drafts + 1, device=self.device)
         self.seq.scatter_(1, write, torch.where(emit, tokens, self.seq.gather(1, write)))
         bad = bad | (emit & (tokens < 0)).any()
         self.generated.add_(count)
@@ -265,14 +262,8 @@ class StaticEngine:
         self.slot_len.add_(torch.where(active, num_accepted + 1, 0))
         self.stream_pos.add_(num_drafts + 1)
         self.counters["verifier_calls"].add_(active)
-        # acceptance tests count up to an emitted eos (none after it), also past the budget (they were decided)
-        accepted = torch.minimum(num_accepted, first_eos + 1) * active
-        attempted = torch.minimum(torch.clamp(num_accepted + 1, max=num_drafts), first_eos + 1) * active
         self.counters["accepted"].add_(accepted)
-        if num_drafts:
-            position = torch.arange(num_drafts, device=self.device)
-            self.accepted_per_position[:, :num_drafts] += position < accepted[:, None]
-            self.attempted_per_position[:, :num_drafts] += position < attempted[:, None]
+        add_position_counts(self.accepted_per_position, self.attempted_per_position, accepted, attempted, num_drafts)
         self.flags.copy_(torch.stack([self.finished.all().to(torch.int64), bad.to(torch.int64), accepted.sum(),
                                       attempted.sum(), count.sum()]))
 
@@ -306,12 +297,22 @@ class StaticEngine:
             body()
         return graph.replay
 
+    def prepare(self, draft_lengths: tuple[int, ...], sampling: Sampling) -> DraftLengthController | None:
+        """Captures every round a call may run before its state is live; for several K (``"auto"``) also the
+        drafter's catch-up, and returns a controller fed with each K's measured round time."""
+        for num_drafts in draft_lengths:
+            self.step("round", num_drafts, sampling)
+        if len(draft_lengths) == 1:
+            return None
+        self.step("catch_up", 0, sampling)
+        return DraftLengthController({k: self.round_seconds(k, sampling) for k in draft_lengths})
+
     def round_seconds(self, num_drafts: int, sampling: Sampling, repeats: int = 5) -> float:
         """Median device time of one round of K = ``num_drafts`` (parked state; measured once, then cached)."""
         key = ("round", num_drafts, sampling)
         if key not in self.step_seconds:
             replay = self.step("round", num_drafts, sampling)
-            self._park()
+            self._park()  # (timing replays must not advance a live state)
             self.step_seconds[key] = _median_seconds(replay, self.device, repeats)
         return self.step_seconds[key]
 
@@ -351,8 +352,8 @@ def _fingerprint(model: torch.nn.Module) -> tuple:
 
 def get_engine(verifier: torch.nn.Module, drafter: torch.nn.Module, batch: int, needed_slots: int, vocab: int,
                max_drafts: int, num_eos: int, device: torch.device, backend: str, use_graphs: bool,
-               compile_models: bool = False) -> tuple[StaticEngine, bool]:
-    """A cached engine for these models and shapes (or a new one); True when it was newly built."""
+               compile_models: bool = False) -> StaticEngine:
+    """A cached engine for these models and shapes, or a new one (kept, at most :data:`MAX_ENGINES` per verifier)."""
     capacity = -(-needed_slots // SLOT_BUCKET) * SLOT_BUCKET
     eos_slots = 1 << max(num_eos - 1, 0).bit_length()
     key = (id(drafter), _fingerprint(verifier), _fingerprint(drafter), batch, capacity, vocab, max_drafts, eos_slots,
@@ -360,48 +361,33 @@ def get_engine(verifier: torch.nn.Module, drafter: torch.nn.Module, batch: int, 
     engines = _ENGINES.setdefault(verifier, OrderedDict())
     if key in engines:
         engines.move_to_end(key)
-        return engines[key], False
+        return engines[key]
     while len(engines) >= MAX_ENGINES:
         engines.popitem(last=False)
     engine = StaticEngine(verifier, drafter, batch, capacity, vocab, max_drafts, eos_slots, device, backend,
                           use_graphs, compile_models)
     engines[key] = engine
-    return engine, True
+    return engine
 
 
-def clear_engines() -> None:
-    """Drops every cached static engine (KV caches and captured graphs) so their GPU memory can be freed."""
-    _ENGINES.clear()
+def clear_engines(verifier: torch.nn.Module | None = None) -> None:
+    """Drops the cached static engines (KV caches and captured graphs) of ``verifier``, or of every verifier, so
+    their GPU memory can be freed."""
+    if verifier is None:
+        _ENGINES.clear()
+    else:
+        _ENGINES.pop(verifier, None)
 
 
-@dataclass
-class StaticRun:
-    """What one static decoding call produced: ``sequences`` [B, S] by slot, per-row counters, the K of each round."""
+def decode_static(engine: StaticEngine, controller: DraftLengthController | None, input_ids: torch.Tensor,
+                  attention_mask: torch.Tensor, *, max_new_tokens: int, draft_lengths: tuple[int, ...],
+                  sampling: Sampling, temperature: float, eos_ids: list[int], pad: int, row_seeds: torch.Tensor,
+                  draft_seeds: torch.Tensor, on_emit: Callable[[int], None]) -> DecodeResult:
+    """Runs rounds until every row stops, on an engine whose rounds :meth:`StaticEngine.prepare` captured.
 
-    seq: torch.Tensor
-    generated: torch.Tensor
-    counters: dict[str, torch.Tensor]
-    accepted_per_position: torch.Tensor
-    attempted_per_position: torch.Tensor
-    draft_lengths: list[int]
-    setup_seconds: float  # graph capture and round timing done by this call (about 0 when they were reused)
-
-
-def decode_static(engine: StaticEngine, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                  max_new_tokens: int, draft_lengths: tuple[int, ...], sampling: Sampling, temperature: float,
-                  eos_ids: list[int], row_seeds: torch.Tensor, draft_seeds: torch.Tensor,
-                  on_emit: Callable[[int], None]) -> StaticRun:
-    """Runs rounds until every row stops. ``draft_lengths``: one K (fixed) or several (chosen per round)."""
-    setup_start = time.perf_counter()
-    for num_drafts in draft_lengths:  # capture (and for "auto" time) every round shape before the state is live
-        engine.step("round", num_drafts, sampling)
-    controller = None
-    if len(draft_lengths) > 1:
-        from specdec._draft_length import DraftLengthController
-
-        engine.step("catch_up", 0, sampling)
-        controller = DraftLengthController({k: engine.round_seconds(k, sampling) for k in draft_lengths})
-    setup_seconds = time.perf_counter() - setup_start
+    ``draft_lengths``: one K, or several chosen per round by ``controller``. Returns the new tokens
+    [B, max_new_tokens] (``pad`` after each row's end) and the counters (copies: the engine is reused).
+    """
     engine.prefill(input_ids, attention_mask, max_new_tokens, eos_ids, sampling, temperature, row_seeds, draft_seeds)
     flags = engine.read_flags()
     rounds, drafter_behind = [], 0
@@ -420,5 +406,9 @@ def decode_static(engine: StaticEngine, input_ids: torch.Tensor, attention_mask:
         flags = engine.read_flags()
         if controller is not None and num_drafts:
             controller.observe(flags[2], flags[3])
-    return StaticRun(engine.seq, engine.generated, engine.counters, engine.accepted_per_position,
-                     engine.attempted_per_position, rounds, setup_seconds)
+    prompt_len = input_ids.shape[1]
+    index = torch.arange(max_new_tokens, device=input_ids.device)
+    tokens = engine.seq[:, prompt_len: prompt_len + max_new_tokens]
+    tokens = torch.where(index < engine.generated[:, None], tokens, pad)
+    return DecodeResult(tokens, engine.generated.clone(), {k: v.clone() for k, v in engine.counters.items()},
+                        engine.accepted_per_position.clone(), engine.attempted_per_position.clone(), rounds, 0.0)

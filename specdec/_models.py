@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from specdec._validation import as_int
+
 
 def check_model_pair(verifier: object, drafter: object) -> None:
     """TypeError unless both are torch modules with a ``.config`` (Hugging Face causal LMs)."""
@@ -30,3 +32,15 @@ def model_vocab_size(model: torch.nn.Module, name: str = "model") -> int:
     if config is None or getattr(config, "vocab_size", None) is None:
         raise TypeError(f"{name} must be a Hugging Face causal LM with config.vocab_size")
     return int(config.vocab_size)
+
+
+def sliding_window(model: torch.nn.Module) -> int | None:
+    """The attention window of a model whose config uses sliding-window attention in some layer, else None."""
+    config = getattr(model, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if as_int(window) is None or window <= 0 or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and not any("sliding" in str(kind) for kind in layer_types):
+        return None
+    return int(window)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from specdec._models import sliding_window
+
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
@@ -97,8 +99,7 @@ def fast_path_problem(model: torch.nn.Module, name: str) -> str | None:
     attention = getattr(config, "_attn_implementation", None)
     if attention not in SUPPORTED_ATTENTION:
         return f"{name} uses attention implementation {attention!r} (the static path supports sdpa and eager)"
-    window = getattr(config, "sliding_window", None)
-    if isinstance(window, int) and window > 0 and getattr(config, "use_sliding_window", True) is not False:
+    if sliding_window(model) is not None:
         return f"{name} uses sliding-window attention"
     params = inspect.signature(model.forward).parameters
     for arg in ("position_ids", "attention_mask"):

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from specdec._draft_length import AUTO_DRAFT_LENGTHS
 from specdec._eager_decode import DecodeResult, decode_eager
 from specdec._fast_decode import Sampling, clear_engines, decode_static, get_engine
-from specdec._models import check_model_pair, model_device, model_vocab_size
+from specdec._models import check_model_pair, model_device, model_vocab_size, sliding_window
 from specdec._slot_cache import fast_path_problem
 from specdec._validation import as_int, check_backend, check_int_range, check_temperature, check_tensor
 
@@ -141,18 +141,6 @@ def _eos_ids(eos_token_id: int | Sequence[int] | None, vocab: int) -> list[int]:
     return ids
 
 
-def _sliding_window(model: torch.nn.Module) -> int | None:
-    """The attention window of a model whose config uses sliding-window attention in some layer, else None."""
-    config = getattr(model, "config", None)
-    window = getattr(config, "sliding_window", None)
-    if as_int(window) is None or window <= 0 or getattr(config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and not any("sliding" in str(kind) for kind in layer_types):
-        return None
-    return int(window)
-
-
 @torch.no_grad()
 def generate(
     verifier: torch.nn.Module,
@@ -251,7 +239,7 @@ def generate(
     # sliding cache layers cannot roll back past the window), so the window must hold every slot the call can create.
     most_slots = prompt_len + max_new_tokens * (max_drafts + 1)
     for name, model in (("verifier", verifier), ("drafter", drafter)):
-        window = _sliding_window(model)
+        window = sliding_window(model)
         if window is not None and most_slots >= window:
             raise ValueError(
                 f"{name} uses sliding-window attention (window {window}); speculative decoding here needs prompt "
@@ -288,7 +276,7 @@ def generate(
     start_time = time.perf_counter()
     bar = tqdm(total=batch * max_new_tokens, desc="specdec.generate", unit="tok", disable=not progress)
     use_static = device.type == "cuda" if static is None else static
-    reason = _static_problem(verifier, drafter, device) if use_static else None
+    reason = _static_problem(verifier, drafter) if use_static else None
     result = None
     if use_static and reason is None:
         try:
@@ -332,7 +320,8 @@ class _CaptureError(RuntimeError):
     """The static path could not set up its rounds for this model pair (the message is the one-line reason)."""
 
 
-def _static_problem(verifier: torch.nn.Module, drafter: torch.nn.Module, device: torch.device) -> str | None:
+def _static_problem(verifier: torch.nn.Module, drafter: torch.nn.Module) -> str | None:
+    """Why the static path cannot run this pair (the first model's reason), or None."""
     for name, model in (("verifier", verifier), ("drafter", drafter)):
         problem = fast_path_problem(model, name)
         if problem is not None:
@@ -348,24 +337,18 @@ def _decode_static(verifier, drafter, input_ids, attention_mask, max_new_tokens,
     max_drafts = max(draft_lengths)
     device = input_ids.device
     sampling = Sampling(greedy=temperature == 0, top_k=top_k, top_p=top_p)
-    use_graphs = device.type == "cuda"
     setup_start = time.perf_counter()
     try:
-        engine, _ = get_engine(verifier, drafter, batch, prompt_len + max_new_tokens + max_drafts + 1, vocab,
-                               max_drafts, len(eos_ids), device, backend, use_graphs, compile_models)
-        for num_drafts in draft_lengths:
-            engine.step("round", num_drafts, sampling)
+        engine = get_engine(verifier, drafter, batch, prompt_len + max_new_tokens + max_drafts + 1, vocab,
+                            max_drafts, len(eos_ids), device, backend, device.type == "cuda", compile_models)
+        controller = engine.prepare(draft_lengths, sampling)
     except (RuntimeError, TypeError, ValueError, AttributeError, NotImplementedError) as error:
-        clear_engines()
+        clear_engines(verifier)
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         raise _CaptureError(f"static path unavailable ({type(error).__name__}: {first_line})") from error
-    setup_seconds = time.perf_counter() - setup_start  # engine and captures of this call (0 when reused)
-    run = decode_static(engine, input_ids, attention_mask, max_new_tokens=max_new_tokens,
-                        draft_lengths=draft_lengths, sampling=sampling, temperature=temperature, eos_ids=eos_ids,
-                        row_seeds=row_seeds, draft_seeds=draft_seeds, on_emit=on_emit)
-    index = torch.arange(max_new_tokens, device=device)
-    tokens = run.seq[:, prompt_len: prompt_len + max_new_tokens]
-    tokens = torch.where(index < run.generated[:, None], tokens, pad)
-    return DecodeResult(tokens.clone(), run.generated.clone(), {k: v.clone() for k, v in run.counters.items()},
-                        run.accepted_per_position.clone(), run.attempted_per_position.clone(), run.draft_lengths,
-                        setup_seconds + run.setup_seconds)
+    setup_seconds = time.perf_counter() - setup_start  # engine, captures and round timing (about 0 when reused)
+    result = decode_static(engine, controller, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                           draft_lengths=draft_lengths, sampling=sampling, temperature=temperature, eos_ids=eos_ids,
+                           pad=pad, row_seeds=row_seeds, draft_seeds=draft_seeds, on_emit=on_emit)
+    result.setup_seconds = setup_seconds
+    return result

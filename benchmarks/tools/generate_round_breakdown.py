@@ -42,7 +42,7 @@ def main() -> None:
           "model_round_ms,wider_verify_ms,wider_first_draft_ms,rest_ms,rounds,rounds_mean_row")
     with torch.no_grad():
         for batch in [int(b) for b in args.batches.split(",")]:
-            engine, _ = get_engine(verifier, drafter, batch, 512, vocab, k, 1, cuda, "auto", True, args.compile)
+            engine = get_engine(verifier, drafter, batch, 512, vocab, k, 1, cuda, "auto", True, args.compile)
             times = {}
             for name, model, width in (("verify_1", engine.verifier, 1), ("verify_k", engine.verifier, k + 1),
                                        ("draft_1", engine.drafter, 1), ("draft_2", engine.drafter, 2)):
