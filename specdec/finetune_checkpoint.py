@@ -30,7 +30,9 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def _digest(tensors: Mapping[str, torch.Tensor], meta_json: str) -> str:
+def weights_digest(tensors: Mapping[str, torch.Tensor], meta_json: str = "") -> str:
+    """SHA-256 over ``meta_json`` and every tensor of ``tensors`` in key order (key, dtype, shape and bytes): e.g.
+    ``weights_digest(model.state_dict())`` fingerprints a model's weights."""
     h = hashlib.sha256(meta_json.encode())
     for key in sorted(tensors):
         t = tensors[key]
@@ -79,7 +81,7 @@ def save_checkpoint(path: str, drafter: torch.nn.Module, optimizer: torch.optim.
     meta = {"format": CHECKPOINT_FORMAT, "step": step, "param_groups": opt_state["param_groups"],
             "scalar_state": scalar_state, "history": history, "config": config, "since_eval": list(since_eval or [])}
     meta_json = json.dumps(meta, sort_keys=True)
-    metadata = {"specdec": meta_json, "sha256": _digest(tensors, meta_json)}
+    metadata = {"specdec": meta_json, "sha256": weights_digest(tensors, meta_json)}
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=folder)
@@ -112,7 +114,7 @@ def load_checkpoint(path: str) -> dict[str, Any]:
                               "delete it or point checkpoint_dir elsewhere") from exc
     if "specdec" not in metadata or "sha256" not in metadata:
         raise CheckpointError(f"checkpoint {path} is not a specdec finetuning checkpoint (metadata missing)")
-    if _digest(tensors, metadata["specdec"]) != metadata["sha256"]:
+    if weights_digest(tensors, metadata["specdec"]) != metadata["sha256"]:
         raise CheckpointError(f"checkpoint {path} is corrupt: its SHA-256 checksum does not match its contents")
     meta = json.loads(metadata["specdec"])
     if meta.get("format") != CHECKPOINT_FORMAT:

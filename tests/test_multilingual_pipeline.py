@@ -2,9 +2,10 @@
 
 The test writes three languages of small data in the shared data's formats (mCoT JSON lines, NTREX-128 text files
 with CRLF and DOCUMENT_IDS.tsv, GSM8K JSON lines, MGSM TSV), runs every stage with the smoke preset and checks what
-they wrote: the corpus keeps the evaluation questions out, every model file is small enough to travel, the verifier is
-unchanged by every finetuning, the report has every variant and language, and the per-character weights follow their
-formula. Under torchrun (two processes, gloo) the finetuning stage gives the drafter of one process.
+they wrote: the corpus keeps the evaluation questions out, models are written in shards of at most the size asked for
+and load back, the verifier is unchanged by every finetuning, the report has every variant and language, the rows
+record their settings, and the per-character variant gets each language's characters per token. Under torchrun (two
+processes, gloo) the finetuning stage gives the drafter of one process.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import gzip
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -135,24 +137,72 @@ def test_prepare_keeps_evaluation_text_out_and_balances_the_tokenizer(smoke_run)
     assert tokenizer.unk_token_id not in ids
     cfg = ml_config.build_config(file=work / "config.json")
     assert cfg.preset == "smoke" and cfg.languages == list(LANGS)
+    prepare = [r for r in _rows(smoke_run["results"]) if r["kind"] == "prepare"]
+    assert len(prepare) == 1 and prepare[0]["settings"] == cfg.to_dict()
 
 
-def test_models_are_small_files_and_load_back(smoke_run):
+def _model_name(path: Path) -> str:
+    """The model a file of save_model belongs to (``<name>.safetensors`` or ``<name>-NN-of-MM.safetensors``)."""
+    return re.sub(r"(-\d\d-of-\d\d)?\.safetensors$", "", path.name)
+
+
+def test_models_load_back_and_the_rows_record_their_training(smoke_run):
     from multilingual.models import load_model
 
     work = smoke_run["work"]
+    cfg = ml_config.build_config(file=work / "config.json")
     files = sorted((work / "models").glob("*.safetensors"))
-    assert {f.name.split(".")[0] for f in files} == {"verifier", "small-skewed", "tiny-en"}
-    assert all(f.stat().st_size < 16 * 2**20 for f in files)
+    assert {_model_name(f) for f in files} == {"verifier", "small-skewed", "tiny-en"}
     verifier = load_model(work / "models", "verifier")
     drafter = load_model(work / "models", "tiny-en")
     assert verifier.config.model_type == "llama" and drafter.config.model_type == "qwen2"
     assert verifier.lm_head.weight.data_ptr() == verifier.model.embed_tokens.weight.data_ptr()
     train_rows = [r for r in _rows(smoke_run["results"]) if r["kind"] == "train"]
     assert {r["model"] for r in train_rows} == {"verifier", "small-skewed", "tiny-en"}
+    assert all(r["settings"] == cfg.to_dict() for r in train_rows)
     skewed = next(r for r in train_rows if r["model"] == "small-skewed")
     assert skewed["weights"]["ru"] == pytest.approx(0.05 / 2.05)
     assert set(skewed["heldout_loss"]) == set(LANGS)
+    balanced = next(r for r in train_rows if r["model"] == "verifier")
+    assert balanced["weights"] == pytest.approx({lang: 1 / len(LANGS) for lang in LANGS})
+    assert balanced["params"] == sum(p.numel() for p in verifier.parameters())
+    assert balanced["params"] < sum(v.numel() for v in verifier.state_dict().values())  # the tied head counted once
+
+
+def test_models_are_written_in_shards_of_at_most_max_file_mb(tmp_path):
+    from multilingual.models import build_model, load_model, save_model
+
+    spec = ml_config.build_config("smoke").verifier
+    model = build_model(spec, 320, 160, seed=0)
+    limit_mb = 0.1
+    files = save_model(model, tmp_path, "sharded", max_file_mb=limit_mb)
+    assert len(files) >= 2 and all(re.fullmatch(rf"sharded-\d\d-of-{len(files):02d}\.safetensors", f.name)
+                                   for f in files)
+    assert all(f.stat().st_size <= limit_mb * 1e6 for f in files)
+    assert {_model_name(f) for f in files} == {"sharded"}
+    loaded = load_model(tmp_path, "sharded")
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    expected = {k: v.to(torch.bfloat16).float() for k, v in model.state_dict().items()}
+    got = loaded.state_dict()
+    assert set(got) == set(expected)
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
+    files[1].unlink()
+    with pytest.raises(ValueError, match=rf"model 'sharded' in .* has {len(files) - 1} of its {len(files)} files"):
+        load_model(tmp_path, "sharded")
+
+
+def test_a_configured_verifier_mix_is_trained_on(smoke_run, tmp_path):
+    from multilingual import stages
+
+    work = tmp_path / "work"
+    shutil.copytree(smoke_run["work"], work, ignore=shutil.ignore_patterns("models", "results", "finetuned"))
+    cfg = ml_config.build_config(file=work / "config.json", overrides={
+        "verifier": {**ml_config.smoke_preset()["verifier"], "mix": {"ru": 3.0}, "steps": 1}})
+    ctx = stages.Context(cfg=cfg, work=work, results=tmp_path / "results", device=torch.device("cpu"),
+                         progress=False)
+    (row,) = stages.stage_train(ctx, ["verifier"])
+    assert row["weights"] == pytest.approx({"en": 0.2, "de": 0.2, "ru": 0.6})
 
 
 def test_every_pair_variant_and_language_is_evaluated_with_the_verifier_unchanged(smoke_run):
@@ -161,21 +211,34 @@ def test_every_pair_variant_and_language_is_evaluated_with_the_verifier_unchange
     summaries = [r for r in rows if r["kind"] == "summary" and r["experiment"] == "languages"]
     pairs = [d.name for d in cfg.drafters]
     assert {(r["pair"], r["variant"]) for r in summaries} == {(p, v) for p in pairs for v in cfg.variants}
-    assert all(r["verifier_unchanged"] for r in summaries)
+    assert all(r["verifier_greedy_identical"] for r in summaries)
     assert len({r["verifier_weights_sha256"] for r in summaries}) == 1
     assert len({r["verifier_greedy_sha256"] for r in summaries}) == 1
     tasks = [r for r in rows if r["kind"] == "task" and r["experiment"] == "languages"]
     assert {r["task"] for r in tasks} == set(LANGS)
+    summary_of = {(r["pair"], r["variant"]): r for r in summaries}
     for r in tasks:
         for key in ("alpha", "alpha_measured", "tokens_per_call", "chars_per_call", "speedup_predicted",
-                    "speedup_measured", "cross_entropy", "kl", "tv", "fitness", "chars_per_token"):
+                    "speedup_measured", "cross_entropy", "kl", "tv", "fitness", "chars_per_token",
+                    "char_speedup_predicted", "char_rate_generation", "char_rate_measured"):
             assert r[key] is not None, key
-        assert r["char_rate_predicted"] == pytest.approx(r["chars_per_token"] * r["speedup_predicted"])
+        rho_mean = summary_of[r["pair"], r["variant"]]["chars_per_token_mean"]
+        assert r["char_speedup_predicted"] == pytest.approx(r["chars_per_token"] * r["speedup_predicted"] / rho_mean)
+        assert r["char_rate_measured"] == pytest.approx(r["chars_per_token"] * r["speedup_measured"])
         assert r["kl_per_char"] == pytest.approx(r["kl"] / r["chars_per_token"])
+        for key in ("settings", "train_chars_per_token", "finetune_initial", "finetune_final"):
+            assert key not in r, key  # what holds for the whole run is on the summary row only
     for r in summaries:
         assert r["U_kl_per_char"] is not None and r["dominant_alpha"] is not None
         assert (r["finetune_steps"] == 0) == (r["variant"] == "none")
         assert r["per_character"] == ("_char" in r["variant"])
+        assert r["settings"] == cfg.to_dict() and set(r["train_chars_per_token"]) == set(LANGS)
+        assert ("finetune_final" in r) == (r["variant"] != "none")
+        rates = {t["task"]: t["char_speedup_predicted"] for t in tasks
+                 if (t["pair"], t["variant"]) == (r["pair"], r["variant"])}
+        assert r["worst_char_rate_task"] == min(rates, key=rates.get)
+        assert r["char_speedup_predicted_max_over_min"] == pytest.approx(max(rates.values()) / min(rates.values()))
+        assert r["worst_task"] in LANGS and "worst_alpha_task" not in r
     none = {r["pair"]: r["drafter_weights_sha256"] for r in summaries if r["variant"] == "none"}
     tuned = [r for r in summaries if r["variant"] != "none"]
     assert all(r["drafter_weights_sha256"] != none[r["pair"]] for r in tuned), "every variant trains the drafter"
@@ -198,13 +261,14 @@ def test_the_report_has_every_variant_and_language(smoke_run):
         assert all(f" {lang} " in header for lang in LANGS)
     assert "Against uniform distillation" in report
     figures = sorted(p.name for p in (smoke_run["results"] / "figures").glob("*.png"))
-    assert "languages__small-skewed__alpha.png" in figures and "domains__small-skewed__char_rate_predicted.png" in \
-        figures
+    assert "languages__small-skewed__alpha.png" in figures and \
+        "domains__small-skewed__char_speedup_predicted.png" in figures
+    assert "greedy identical" in report
 
 
 def test_per_character_variant_uses_the_training_rho(smoke_run, monkeypatch):
-    """The finetuning stage hands finetune_drafter each language's characters per token, and the per-character
-    variant's weights are w_i = D_i / rho_i - min_j D_j / rho_j on its minibatches."""
+    """The finetuning stage hands finetune_drafter each language's characters per token on its training texts
+    (``<bos>`` and ``<eos>`` counted, as finetune_drafter counts them), and the variant's config is per character."""
     from multilingual import stages
 
     import specdec
@@ -224,25 +288,31 @@ def test_per_character_variant_uses_the_training_rho(smoke_run, monkeypatch):
     ctx = stages.Context(cfg=cfg, work=work, results=results, device=torch.device("cpu"), progress=False)
     stages.stage_finetune(ctx, ["small-skewed"], ["scdf_char_kl"])
     *steps, final = seen
-    corpus = ml_corpus.Corpus(work)
-    tokenizer = ml_corpus.load_tokenizer(work)
-    for lang in LANGS:
-        texts = corpus.texts("train", lang)
-        ids = ml_corpus.encode(tokenizer, texts)
-        assert final["rho"][lang] == pytest.approx(sum(map(len, texts)) / sum(map(len, ids)))
+    stats = json.loads((work / "corpus" / "manifest.json").read_text(encoding="utf-8"))["stats"]["train"]
+    for lang in LANGS:  # the manifest counts tokens without <bos> and <eos>
+        chars = sum(st["chars"] for st in stats[lang].values())
+        tokens = sum(st["tokens"] + 2 * st["texts"] for st in stats[lang].values())
+        assert final["rho"][lang] == pytest.approx(chars / tokens)
     assert final["config"].per_character and final["config"].weight_basis == "kl"
     assert len(steps) == cfg.finetune_steps
     for info in steps:
-        values = info["task_values"]  # D_i / rho_i of the minibatch
-        assert info["weights"] == pytest.approx([v - min(values) for v in values], rel=1e-5, abs=1e-7)
         assert info["chars_per_token"] == pytest.approx([final["rho"][lang] for lang in LANGS])
+    summary = next(r for r in _rows(results) if r["kind"] == "summary")
+    assert summary["train_chars_per_token"] == pytest.approx(final["rho"])
 
 
 def test_bad_settings_are_named():
     with pytest.raises(ValueError, match="unknown variant 'scdf_js'"):
         ml_config.build_config("smoke", overrides={"variants": ["none", "scdf_js"]})
-    with pytest.raises(ValueError, match="per-character weights need method scdf or exact_variance"):
-        ml_config.parse_variant("uniform_kd_char")
+    with pytest.raises(ValueError, match="variant 'uniform_kd_char': per_character=True reweights the tasks of method "
+                                         "'scdf' or 'exact_variance'"):
+        ml_config.build_config("smoke", overrides={"variants": ["none", "uniform_kd_char"]})
+    with pytest.raises(ValueError, match=r"variants: variant 'uniform_kd': lr must be a finite number > 0.* "
+                                         r"\(setting finetune_lr\)"):
+        ml_config.build_config("smoke", overrides={"finetune_lr": 0})
+    with pytest.raises(ValueError, match=r"domain_variants: variant 'uniform_kd': weight_floor must be .*>= 0.* "
+                                         r"\(setting weight_floor\)"):
+        ml_config.build_config("smoke", overrides={"weight_floor": -0.5, "variants": ["none"]})
     with pytest.raises(ValueError, match=r"unknown setting\(s\) \['finetune_stepz'\]"):
         ml_config.build_config("smoke", overrides={"finetune_stepz": 3})
     with pytest.raises(ValueError, match="dominant_language 'xx'"):
@@ -251,12 +321,28 @@ def test_bad_settings_are_named():
         cfg = ml_config.smoke_preset()
         cfg["drafters"][2]["self_layers"] = 2
         ml_config.build_config("full", overrides=cfg)
+    with pytest.raises(ValueError, match=r"drafters\[0\].mix\['ru'\] must be a finite number >= 0"):
+        cfg = ml_config.smoke_preset()
+        cfg["drafters"][0]["mix"] = {"ru": -1}
+        ml_config.build_config("full", overrides=cfg)
     with pytest.raises(ValueError, match="--set takes key=value"):
         ml_config.parse_overrides(["finetune_steps"])
     with pytest.raises(SystemExit):
         main(["prepare", "--work", "/nonexistent"])  # prepare needs --data
     with pytest.raises(FileNotFoundError, match="run the prepare stage first"):
         main(["train", "--work", "/nonexistent/work", "--no-progress"])
+
+
+def test_bad_finetuning_settings_stop_a_run_before_any_stage(smoke_run, tmp_path):
+    """A finetuning setting FinetuneConfig refuses stops the run when the settings are read, before any training."""
+    results = tmp_path / "results"
+    with pytest.raises(ValueError, match=r"lr must be a finite number > 0.* \(setting finetune_lr\)"):
+        main(["all", "--data", str(smoke_run["data"]), "--work", str(tmp_path / "work"), "--results", str(results),
+              *smoke_settings(smoke_run["data"]), "--set", "finetune_lr=-1"])
+    with pytest.raises(ValueError, match=r"weight_floor must be .*>= 0.* \(setting weight_floor\)"):
+        main(["finetune", "--work", str(smoke_run["work"]), "--results", str(results), "--no-progress",
+              "--device", "cpu", "--set", "weight_floor=-1"])
+    assert not (tmp_path / "work").exists() and not results.exists()
 
 
 def test_torchrun_two_processes_match_one_process(smoke_run, tmp_path):
@@ -278,9 +364,11 @@ def test_torchrun_two_processes_match_one_process(smoke_run, tmp_path):
     assert main(["ddp-compare", "--work", str(work), "--results", str(results), "--no-progress"]) == 0
     ddp = [r for r in _rows(results) if r["kind"] == "ddp"]
     assert len(ddp) == 1 and ddp[0]["world_size"] == 2
+    assert ddp[0]["settings"] == ml_config.build_config(file=work / "config.json").to_dict()
     assert ddp[0]["max_abs_weight_difference"] < 1e-4 and ddp[0]["relative_l2_weight_difference"] < 1e-5
     summaries = {r["world_size"]: r for r in _rows(results) if r["kind"] == "summary"}
     assert set(summaries) == {1, 2}
+    assert all(r["settings"]["finetune_steps"] == 3 and not r["settings"]["wall_clock"] for r in summaries.values())
     assert summaries[2]["alpha_mean"] == pytest.approx(summaries[1]["alpha_mean"], abs=1e-4)
     assert main(["report", "--results", str(results), "--no-plots"]) == 0
     assert "One process against DDP" in (results / "report.md").read_text(encoding="utf-8")
@@ -313,7 +401,7 @@ def test_on_a_gpu_the_pair_runs_in_bf16_on_the_static_path(smoke_run, tmp_path):
     assert main(["finetune", "--work", str(smoke_run["work"]), "--results", str(results), "--pairs", "self1",
                  "--variants", "none,scdf_char_kl", "--device", "cuda", "--no-progress"]) == 0
     summaries = [r for r in _rows(results) if r["kind"] == "summary"]
-    assert len(summaries) == 2 and all(r["device"] != "cpu" and r["verifier_unchanged"] for r in summaries)
+    assert len(summaries) == 2 and all(r["device"] != "cpu" and r["verifier_greedy_identical"] for r in summaries)
     assert all(r["cost_ratio_path"] == "static" for r in summaries)
 
 

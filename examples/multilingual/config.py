@@ -2,28 +2,39 @@
 
 ``prepare`` writes the resolved settings to ``<work>/config.json``; every later stage reads them from there, so the
 stages of one run share one set of settings (a stage may still override a field for itself with ``--set``; the rows
-it writes record the settings it ran with).
+it writes record the settings it ran with under ``settings``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specdec._validation import check_int_at_least, check_number, check_temperature
 from specdec.data import MGSM_LANGUAGES
-from specdec.finetune import METHODS, WEIGHT_BASES
+from specdec.finetune import METHODS, WEIGHT_BASES, FinetuneConfig
 
 CONFIG_NAME = "config.json"
 ARCHITECTURES = ("llama", "qwen2")
-VARIANT_PATTERN = re.compile(r"^(?P<method>scdf|exact_variance|uniform_kd|balanced)(?P<char>_char)?"
-                             r"(?:_(?P<basis>ce|kl|tv))?$")
+
+
+def _alternatives(names: tuple[str, ...]) -> str:
+    return "|".join(re.escape(name) for name in names)
+
+
+VARIANT_PATTERN = re.compile(rf"^(?P<method>{_alternatives(METHODS)})(?P<char>_char)?"
+                             rf"(?:_(?P<basis>{_alternatives(WEIGHT_BASES)}))?$")
 """A finetuning variant's name: ``none``, or a method, ``_char`` for the per-character weights, and ``_<basis>``
 (default ``ce``): ``uniform_kd``, ``balanced``, ``exact_variance``, ``scdf_kl``, ``scdf_char_kl`` ..."""
+FINETUNE_SETTINGS = {"steps": "finetune_steps", "batch_size_per_task": "finetune_batch_size_per_task",
+                     "seq_len": "finetune_seq_len", "lr": "finetune_lr", "eval_every": "finetune_eval_every",
+                     "weight_floor": "weight_floor", "seed": "seed"}
+""":class:`specdec.FinetuneConfig` field -> the setting it comes from (``temperature`` comes from ``temperature``,
+1 when that is 0)."""
 
 
 @dataclass
@@ -32,7 +43,7 @@ class ModelSpec:
     (``self_layers``) the verifier's first layers as a layer-skip self-drafter (an independent copy).
 
     ``mix``: language -> sampling weight of the training windows; languages it does not name get ``mix_default``.
-    The verifier is trained on the balanced mix (every weight 1).
+    The verifier's default mix is balanced (every weight 1).
     """
 
     name: str
@@ -52,28 +63,22 @@ class ModelSpec:
     def check(self, where: str) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", self.name or ""):
             raise ValueError(f"{where}.name must be letters, digits, '-' and '_', got {self.name!r}")
-        if self.self_layers is not None:
-            if isinstance(self.self_layers, bool) or not isinstance(self.self_layers, int) or self.self_layers < 1:
-                raise ValueError(f"{where}.self_layers must be an integer >= 1 or null, got {self.self_layers!r}")
+        if check_int_at_least(self.self_layers, f"{where}.self_layers", 1, allow_none=True) is not None:
             return
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"{where}.arch must be one of {ARCHITECTURES}, got {self.arch!r}")
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "steps",
                      "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "steps" else 1):
-                raise ValueError(f"{where}.{name} must be a positive integer, got {value!r}")
+            check_int_at_least(getattr(self, name), f"{where}.{name}", 0 if name == "steps" else 1)
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError(f"{where}: hidden_size must be a multiple of num_heads and num_heads of num_kv_heads, "
                              f"got {self.hidden_size}, {self.num_heads}, {self.num_kv_heads}")
         if not isinstance(self.mix, dict):
             raise TypeError(f"{where}.mix must be a mapping from language to weight, got {type(self.mix).__name__}")
-        for lang, weight in {**self.mix, "mix_default": self.mix_default}.items():
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or \
-                    weight < 0:
-                raise ValueError(f"{where}.mix[{lang!r}] must be a finite number >= 0, got {weight!r}")
-        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not self.lr > 0:
-            raise ValueError(f"{where}.lr must be a number > 0, got {self.lr!r}")
+        for lang, weight in self.mix.items():
+            check_number(weight, f"{where}.mix[{lang!r}]", 0.0)
+        check_number(self.mix_default, f"{where}.mix_default", 0.0)
+        check_number(self.lr, f"{where}.lr", 0.0, strict=True)
 
     def weights(self, languages: list[str]) -> dict[str, float]:
         """The normalised sampling weight of every language."""
@@ -181,35 +186,21 @@ class PipelineConfig:
             if spec.self_layers is not None and spec.self_layers >= self.verifier.num_layers:
                 raise ValueError(f"drafters[{index}].self_layers must be below the verifier's "
                                  f"{self.verifier.num_layers} layers, got {spec.self_layers}")
-        for name in ("variants", "domain_variants"):
-            values = getattr(self, name)
-            if not isinstance(values, list) or not values:
-                raise ValueError(f"{name} must be a non-empty list of variant names, got {values!r}")
-            for variant in values:
-                parse_variant(variant, name)
-        if self.wall_clock_variants is not None:
-            for variant in self.wall_clock_variants:
-                parse_variant(variant, "wall_clock_variants")
         if self.domain_pair is not None and self.domain_pair not in names:
             raise ValueError(f"domain_pair must be one of the drafters {names} or null, got {self.domain_pair!r}")
         unknown = [lang for lang in self.domain_languages if lang not in self.languages]
         if unknown:
             raise ValueError(f"domain_languages {unknown} are not in languages {self.languages}")
-        if not 0 < self.heldout_fraction < 1:
+        if check_number(self.heldout_fraction, "heldout_fraction", 0.0, strict=True) >= 1:
             raise ValueError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction!r}")
         positive = ("heldout_max", "news_max_lines", "vocab_size", "seq_len", "max_positions", "heldout_windows",
                     "eval_texts", "eval_prompts", "max_prompt_tokens", "max_new_tokens", "num_draft_tokens",
                     "eval_batch_size", "max_length", "wall_clock_repeats", "cost_repeats", "fingerprint_prompts",
-                    "fingerprint_tokens", "finetune_batch_size_per_task", "finetune_seq_len",
-                    "finetune_eval_every", "finetune_eval_examples")
-        for name in positive:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("warmup_steps", "finetune_steps", "seed"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+                    "fingerprint_tokens", "finetune_seq_len", "finetune_eval_examples")
+        for name in positive:  # the other finetune_* settings: FinetuneConfig checks them (below)
+            check_int_at_least(getattr(self, name), name, 1)
+        for name in ("warmup_steps", "seed"):
+            check_int_at_least(getattr(self, name), name, 0)
         if self.vocab_size < 300:
             raise ValueError(f"vocab_size must be at least 300 (256 byte symbols, 4 special tokens and merges), got "
                              f"{self.vocab_size}")
@@ -218,12 +209,20 @@ class PipelineConfig:
         if self.max_prompt_tokens + self.max_new_tokens + self.num_draft_tokens + 1 > self.max_positions:
             raise ValueError(f"max_prompt_tokens + max_new_tokens + num_draft_tokens + 1 must fit max_positions="
                              f"{self.max_positions}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if self.train_max_seconds is not None and not self.train_max_seconds > 0:
-            raise ValueError(f"train_max_seconds must be > 0 or null, got {self.train_max_seconds!r}")
-        if not self.max_file_mb > 0:
-            raise ValueError(f"max_file_mb must be > 0, got {self.max_file_mb!r}")
+        check_temperature(self.temperature)
+        if self.train_max_seconds is not None:
+            check_number(self.train_max_seconds, "train_max_seconds", 0.0, strict=True)
+        check_number(self.max_file_mb, "max_file_mb", 0.0, strict=True)
+        check_number(self.weight_decay, "weight_decay", 0.0)
+        for name in ("variants", "domain_variants"):
+            values = getattr(self, name)
+            if not isinstance(values, list) or not values:
+                raise ValueError(f"{name} must be a non-empty list of variant names, got {values!r}")
+            for variant in values:  # the finetuning settings are checked here, before any stage runs
+                finetune_config(self, variant, name)
+        if self.wall_clock_variants is not None:
+            for variant in self.wall_clock_variants:
+                parse_variant(variant, "wall_clock_variants")
 
     # --------------------------------------------------------------------------------------------------- accessors
     def drafter(self, name: str) -> ModelSpec:
@@ -248,17 +247,29 @@ class PipelineConfig:
 
 
 def parse_variant(name: str, where: str = "variant") -> dict[str, Any] | None:
-    """The :class:`specdec.FinetuneConfig` fields of a variant (None for ``"none"``, no finetuning)."""
+    """The :class:`specdec.FinetuneConfig` fields a variant's name sets (None for ``"none"``, no finetuning)."""
     if name == "none":
         return None
     match = VARIANT_PATTERN.match(name) if isinstance(name, str) else None
     if match is None:
         raise ValueError(f"{where}: unknown variant {name!r}; use 'none' or <method>[_char][_<basis>] with method in "
                          f"{METHODS} and basis in {WEIGHT_BASES} (e.g. scdf_kl, scdf_char_kl, exact_variance)")
-    method, per_character, basis = match["method"], bool(match["char"]), match["basis"] or "ce"
-    if per_character and method not in ("scdf", "exact_variance"):
-        raise ValueError(f"{where}: variant {name!r}: per-character weights need method scdf or exact_variance")
-    return {"method": method, "weight_basis": basis, "per_character": per_character}
+    return {"method": match["method"], "weight_basis": match["basis"] or "ce", "per_character": bool(match["char"])}
+
+
+def finetune_config(cfg: PipelineConfig, variant: str, where: str = "variant") -> FinetuneConfig | None:
+    """The :class:`specdec.FinetuneConfig` of ``variant`` under the settings ``cfg`` (None for ``"none"``); a value
+    FinetuneConfig refuses raises its error, naming the variant and the setting."""
+    fields = parse_variant(variant, where)
+    if fields is None:
+        return None
+    settings = {field_: getattr(cfg, setting) for field_, setting in FINETUNE_SETTINGS.items()}
+    try:
+        return FinetuneConfig(**fields, **settings, temperature=cfg.temperature if cfg.temperature > 0 else 1.0)
+    except (TypeError, ValueError) as error:
+        setting = FINETUNE_SETTINGS.get(str(error).split(" ", 1)[0])
+        named = f" (setting {setting})" if setting else ""
+        raise type(error)(f"{where}: variant {variant!r}: {error}{named}") from None
 
 
 def smoke_preset() -> dict[str, Any]:

@@ -36,9 +36,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from specdec.data import LANGUAGE_CODES
+from specdec.data import LANGUAGE_CODES, SPECIAL_TOKENS, load_jsonl_tasks
 
-SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 DOMAINS = ("cot", "news")
 DEFAULT_TRIGGER = "Let's think step by step."
@@ -46,26 +45,31 @@ FILE_CODES = {short: long for long, short in LANGUAGE_CODES.items()}
 """MGSM code -> NTREX-128's file code (``de`` -> ``deu``)."""
 
 
-def _read_json_lines(path: Path) -> list[dict[str, Any]]:
-    rows = []
+def _mcot_examples(path: Path, lang: str) -> list[tuple[str, str]]:
+    """``(prompt, text)`` of every row of an mCoT output file: the question (its template included) and the question
+    followed by the response (:func:`specdec.data.load_jsonl_tasks`)."""
+    entry = load_jsonl_tasks(path, task=lang)[lang]
+    if len(entry.prompts) != len(entry.texts):
+        raise ValueError(f"{path}: every row needs a non-empty 'question' and a 'response'")
+    return list(zip(entry.prompts, entry.texts, strict=True))
+
+
+def _gsm8k_pairs(path: Path) -> list[tuple[str, str]]:
+    """``(question, answer)`` of every row of GSM8K's JSON lines (the raw answer, to rewrite); ValueError naming a row
+    without them."""
+    pairs = []
     with path.open(encoding="utf-8-sig") as handle:
         for number, line in enumerate(handle, start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{path}:{number}: not valid JSON ({error.msg})") from None
-    return rows
-
-
-def _string_pairs(path: Path, first: str, second: str) -> list[tuple[str, str]]:
-    """``(row[first], row[second])`` of every row of a JSON-lines file; ValueError naming a row without them."""
-    pairs = []
-    for index, row in enumerate(_read_json_lines(path)):
-        a, b = row.get(first), row.get(second)
-        if not isinstance(a, str) or not isinstance(b, str):
-            raise ValueError(f"{path}: row {index} needs string fields {first!r} and {second!r}")
-        pairs.append((a, b))
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+            question, answer = row.get("question"), row.get("answer")
+            if not isinstance(question, str) or not isinstance(answer, str):
+                raise ValueError(f"{path}:{number}: needs string fields 'question' and 'answer'")
+            pairs.append((question, answer))
     return pairs
 
 
@@ -98,13 +102,19 @@ def _question_of(prompt: str) -> str:
     return (match["q"] if match else prompt).strip()
 
 
-def _news_documents(folder: Path, code: str, max_lines: int) -> list[list[str]]:
-    name = "newstest2019-src.eng.txt" if code == "eng" else f"newstest2019-ref.{code}.txt"
-    path = folder / name
+def _news_file(folder: Path, lang: str) -> Path:
+    """NTREX-128's file of a language (MGSM code): the English source or a reference translation."""
+    code = FILE_CODES.get(lang, lang)
+    return folder / ("newstest2019-src.eng.txt" if code == "eng" else f"newstest2019-ref.{code}.txt")
+
+
+def _news_documents(path: Path, max_lines: int) -> list[list[str]]:
+    """The sentences of an NTREX-128 file grouped by document (``DOCUMENT_IDS.tsv`` beside it) into texts of at most
+    ``max_lines`` sentences; none when the file is missing."""
     if not path.is_file():
         return []
     lines = [line.rstrip("\r\n") for line in path.open(encoding="utf-8-sig")]
-    ids_path = folder / "DOCUMENT_IDS.tsv"
+    ids_path = path.parent / "DOCUMENT_IDS.tsv"
     doc_ids = ([line.rstrip("\r\n").split("\t")[0] for line in ids_path.open(encoding="utf-8-sig")]
                if ids_path.is_file() else [])
     if len(doc_ids) != len(lines):
@@ -151,20 +161,19 @@ def read_training_rows(data: str | Path, languages: list[str], *, news_max_lines
         path = data / "mcot_msvamp" / "mcot_outputs" / f"mcot_ft_msvamp_{lang}.json"
         if path.is_file():
             source(path)
-            for question, response in _string_pairs(path, "question", "response"):
-                add(lang, "cot", question, question + response, _question_of(question))
+            for prompt, text in _mcot_examples(path, lang):
+                add(lang, "cot", prompt, text, _question_of(prompt))
         if lang == "en" and use_gsm8k:
             path = data / "gsm8k" / "train.jsonl"
             if path.is_file():
                 source(path)
-                for question, answer in _string_pairs(path, "question", "answer"):
+                for question, answer in _gsm8k_pairs(path):
                     prompt = cot_prompt(question, triggers.get("en", DEFAULT_TRIGGER))
                     add(lang, "cot", prompt, prompt + _gsm8k_answer(answer), question)
-        code = "eng" if lang == "en" else FILE_CODES.get(lang, lang)
-        folder = data / "ntrex128"
-        documents = _news_documents(folder, code, news_max_lines)
+        path = _news_file(data / "ntrex128", lang)
+        documents = _news_documents(path, news_max_lines)
         if documents:
-            source(folder / ("newstest2019-src.eng.txt" if code == "eng" else f"newstest2019-ref.{code}.txt"))
+            source(path)
             for doc in documents:
                 add(lang, "news", doc[0], "\n".join(doc))
     found = {lang for lang in languages if any(r["lang"] == lang for r in rows)}

@@ -1,30 +1,32 @@
 """Evaluation of a pair on the MGSM languages (or other tasks) with :func:`specdec.evaluate`, the per-character
-figures computed from what it returns, and the verifier's fingerprint (weights and greedy outputs).
+figures it does not give, and the verifier's fingerprint (weights and greedy outputs).
 
-Per task T, besides evaluate's figures (alpha teacher-forced and in generation, tokens and characters per verifier
-call, predicted and measured speed-up, K_T, D_T, TV_T, fitness), with ``rho_T`` evaluate's characters per token:
+Per task T, evaluate's figures (alpha teacher-forced and in generation, tokens and characters per verifier call,
+predicted and measured speed-up, K_T, D_T, TV_T, fitness, ``rho_T`` = characters per token and the per-character rate
+``char_speedup_predicted = rho_T * S(alpha_T) / mean rho``: characters per unit of verifier-step time relative to
+plain decoding at the tasks' mean characters per token), and besides them:
 
-* ``char_rate_predicted = rho_T * S(alpha_T)``: characters per unit of verifier-step time, relative to one token per
-  verifier call (the per-character speed-up a reader of T experiences; DESIGN.md, "Per character");
-* ``char_rate_generation = chars_per_call / (K c + 1)``: the same from the characters measured in generation;
+* ``char_rate_generation = chars_per_call / (K c + 1)``: characters per unit of verifier-step time from the
+  characters measured in generation;
 * ``char_rate_measured = rho_T * speedup_measured``: the same from the timed wall clock;
 * ``kl_per_char = D_T / rho_T``: the misfit per character the drafter can change.
 
-Across tasks (the summary row): U on K_T, D_T, TV_T and on ``D_T / rho_T``, mean / worst / std of alpha and of the
-rates, max/min ratios, Spearman correlations of fitness (and of the drafter's data share of each language) with the
-speed-ups, and the dominant language's alpha and rate.
+Across tasks (the summary row): evaluate's summary (U on K_T, D_T, TV_T, mean / worst / std / max-min of alpha, of
+the speed-ups and of the per-character rate, Spearman(fitness, predicted speed-up)), and besides it the spreads of the
+two rates above and of rho_T, U on ``D_T / rho_T``, the task of the lowest rate, Spearman correlations of fitness (and
+of the drafter's data share of each language) with the measured speed-up and the rate, and the dominant language's
+alpha and rate.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import statistics
 from typing import Any
 
 import torch
 
-from specdec.fairness import TaskData, evaluate, spearman, unfairness
+from specdec.fairness import TaskData, _spread, evaluate, spearman, unfairness
 
 from .corpus import BOS_ID, DEFAULT_TRIGGER, EOS_ID, PAD_ID, cot_prompt
 
@@ -72,18 +74,11 @@ def evaluate_pair(verifier: torch.nn.Module, drafter: torch.nn.Module, tasks: di
                     wall_clock_repeats=cfg.wall_clock_repeats)
 
 
-def _spread(values: list[float], prefix: str) -> dict[str, float | None]:
-    if not values:
-        return {}
-    low, high = min(values), max(values)
-    return {f"{prefix}_mean": statistics.fmean(values), f"{prefix}_min": low, f"{prefix}_max": high,
-            f"{prefix}_std": statistics.pstdev(values),
-            f"{prefix}_max_over_min": high / low if low > 0 else None}
-
-
-def report_rows(report: Any, meta: dict[str, Any], share: dict[str, float] | None,
+def report_rows(report: Any, meta: dict[str, Any], run: dict[str, Any], share: dict[str, float] | None,
                 dominant: str | None) -> list[dict[str, Any]]:
-    """One ``kind="task"`` row per task and one ``kind="summary"`` row, each carrying ``meta``."""
+    """One ``kind="task"`` row per task (``meta``, evaluate's figures of the task and the per-character figures it
+    does not give) and one ``kind="summary"`` row (``meta``, ``run``: figures of the whole run, evaluate's summary and
+    the figures across tasks it does not give)."""
     summary = report.summary
     c = float(summary.get("cost_ratio") or 0.0)
     K = int(summary.get("num_draft_tokens", 0))
@@ -91,7 +86,6 @@ def report_rows(report: Any, meta: dict[str, Any], share: dict[str, float] | Non
     for task in report.tasks:
         row = {**meta, "kind": "task", "task": task.name, **dataclasses.asdict(task)}
         rho = task.chars_per_token
-        row["char_rate_predicted"] = rho * task.speedup_predicted if rho and task.speedup_predicted else None
         row["char_rate_generation"] = (task.chars_per_call / (K * c + 1.0)
                                        if task.chars_per_call is not None else None)
         row["char_rate_measured"] = rho * task.speedup_measured if rho and task.speedup_measured else None
@@ -99,29 +93,18 @@ def report_rows(report: Any, meta: dict[str, Any], share: dict[str, float] | Non
         row["data_share"] = share.get(task.name) if share else None
         rows.append(row)
     out = {**meta, "kind": "summary", **{k: v for k, v in summary.items() if k != "bound_violations"},
-           "bound_violations": len(summary.get("bound_violations", []))}
+           "bound_violations": len(summary.get("bound_violations", [])), **run}
 
     def column(key: str) -> list[float]:
         return [r[key] for r in rows if r.get(key) is not None]
 
-    for key, prefix in (("alpha", "alpha"), ("alpha_measured", "alpha_measured"),
-                        ("speedup_predicted", "speedup_predicted"), ("speedup_measured", "speedup_measured"),
-                        ("tokens_per_call", "tokens_per_call"), ("chars_per_call", "chars_per_call"),
-                        ("char_rate_predicted", "char_rate_predicted"),
-                        ("char_rate_generation", "char_rate_generation"),
-                        ("char_rate_measured", "char_rate_measured"), ("chars_per_token", "chars_per_token")):
-        out.update(_spread(column(key), prefix))
-    scored = [r for r in rows if r.get("alpha") is not None]
-    if scored:
-        out["worst_alpha_task"] = min(scored, key=lambda r: r["alpha"])["task"]
-        out["U_ce"] = unfairness([r["cross_entropy"] for r in scored])
-        out["U_kl"] = unfairness([r["kl"] for r in scored])
-        out["U_tv"] = unfairness([r["tv"] for r in scored])
+    for key in ("char_rate_generation", "char_rate_measured", "chars_per_token"):
+        out.update({k: v for k, v in _spread(column(key), key).items() if k not in summary})
     per_char = column("kl_per_char")
     out["U_kl_per_char"] = unfairness(per_char) if per_char and len(per_char) == len(rows) else None
-    rated = [r for r in rows if r.get("char_rate_predicted") is not None]
+    rated = [r for r in rows if r.get("char_speedup_predicted") is not None]
     if rated:
-        out["worst_char_rate_task"] = min(rated, key=lambda r: r["char_rate_predicted"])["task"]
+        out["worst_char_rate_task"] = min(rated, key=lambda r: r["char_speedup_predicted"])["task"]
 
     def rank(x_key: str, y_key: str) -> float | None:
         pairs = [(r[x_key], r[y_key]) for r in rows if r.get(x_key) is not None and r.get(y_key) is not None]
@@ -129,17 +112,16 @@ def report_rows(report: Any, meta: dict[str, Any], share: dict[str, float] | Non
             return None
         return spearman([p[0] for p in pairs], [p[1] for p in pairs])
 
-    out["spearman_fitness_speedup_predicted"] = rank("fitness", "speedup_predicted")
     out["spearman_fitness_speedup_measured"] = rank("fitness", "speedup_measured")
-    out["spearman_fitness_char_rate"] = rank("fitness", "char_rate_predicted")
-    out["spearman_share_char_rate"] = rank("data_share", "char_rate_predicted")
+    out["spearman_fitness_char_rate"] = rank("fitness", "char_speedup_predicted")
+    out["spearman_share_char_rate"] = rank("data_share", "char_speedup_predicted")
     out["spearman_share_alpha"] = rank("data_share", "alpha")
     if dominant is not None:
         for r in rows:
             if r["task"] == dominant:
                 out["dominant_task"] = dominant
                 out["dominant_alpha"] = r.get("alpha")
-                out["dominant_char_rate"] = r.get("char_rate_predicted")
+                out["dominant_char_rate"] = r.get("char_speedup_predicted")
     rows.append(out)
     return rows
 
@@ -149,8 +131,7 @@ def verifier_fingerprint(verifier: torch.nn.Module, prompts: list[list[int]], ne
     """SHA-256 of the verifier's weights and of its greedy continuations (Hugging Face ``generate``) of
     ``prompts``: equal before and after finetuning when the verifier is unchanged."""
     from specdec.fairness import pad_batch
-
-    from .models import weights_digest
+    from specdec.finetune_checkpoint import weights_digest
 
     device = next(verifier.parameters()).device
     was_training = verifier.training
@@ -160,4 +141,4 @@ def verifier_fingerprint(verifier: torch.nn.Module, prompts: list[list[int]], ne
                             pad_token_id=PAD_ID, eos_token_id=EOS_ID)
     verifier.train(was_training)
     greedy = hashlib.sha256(out.cpu().numpy().tobytes()).hexdigest()
-    return {"weights_sha256": weights_digest(verifier), "greedy_sha256": greedy}
+    return {"weights_sha256": weights_digest(verifier.state_dict()), "greedy_sha256": greedy}

@@ -5,7 +5,6 @@ in every file's metadata, so a folder of them is all that is needed to rebuild i
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
@@ -38,13 +37,8 @@ def build_model(spec: Any, vocab_size: int, max_positions: int, seed: int) -> to
 
 
 def count_parameters(model: torch.nn.Module) -> int:
-    """Distinct parameters (tied ones counted once)."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel()
-    return total
+    """Distinct parameters (``parameters()`` yields a tied one once)."""
+    return sum(p.numel() for p in model.parameters())
 
 
 def _model_files(folder: Path, name: str) -> list[Path]:
@@ -129,16 +123,6 @@ def load_model(folder: str | Path, name: str, *, dtype: torch.dtype = torch.floa
                          f"{sorted(unexpected)}")
     model.tie_weights()
     return model.to(device=device, dtype=dtype).eval()
-
-
-def weights_digest(model: torch.nn.Module) -> str:
-    """SHA-256 over every parameter and buffer (names, dtypes, shapes, bytes)."""
-    digest = hashlib.sha256()
-    for key, value in sorted(model.state_dict().items()):
-        tensor = value.detach().contiguous().cpu()
-        digest.update(f"{key}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 class TokenStreams:

@@ -6,7 +6,7 @@
 Stages (README.md says what each reads and writes and how long it takes):
 
 * ``prepare``: training corpus and shared BPE tokenizer from ``--data`` (CPU);
-* ``train``: the verifier (balanced mix) and the drafters (their mixes) from scratch;
+* ``train``: the verifier (balanced by default) and the drafters on their language mixes, from scratch;
 * ``evaluate``: every pair on the MGSM languages before finetuning (the ``none`` variant);
 * ``finetune``: every pair finetuned with every variant, each then evaluated (runs under torchrun);
 * ``domains``: a second notion of task, math chain-of-thought against news within a language;

@@ -2,7 +2,8 @@
 
 For every pair of the language experiment (and the pair of the domain experiment): one table per token and one per
 character with a line per variant (mean / worst alpha, alpha std, U on K_T and D_T, predicted and measured speed-up
-spreads; per character the rate ``rho_T S_T`` with its max/min, characters per verifier call, U on ``D_T / rho_T``),
+spreads; per character the rate ``rho_T S_T / mean rho`` with its max/min, characters per verifier call, U on
+``D_T / rho_T``),
 per-language alpha and rate tables, the comparisons the experiment asks for (against uniform distillation, as
 measured), the DDP comparison where a variant was run by one and by several processes, and two figures per pair.
 """
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from specdec.fairness_report import format_number, markdown_table
+from specdec.fairness_report import cost_ratio_line, format_number, markdown_table
 
 SCDF_BASES = ("scdf_ce", "scdf_kl", "scdf_tv")
 
@@ -74,11 +75,11 @@ def _pair_tables(runs: dict[str, dict[str, Any]], dominant: str | None) -> list[
                "Spearman(fitness, S measured)"]
     if dominant:
         headers += [f"{dominant} α", f"{dominant} α − uniform KD (points)"]
-    headers += ["verifier unchanged", "finetune s", "eval s"]
+    headers += ["greedy identical", "finetune s", "eval s"]
     table = []
     for v in variants:
         s = runs[v]["summary"]
-        worst = f"{format_number(s.get('alpha_min'))} ({s.get('worst_alpha_task', '–')})"
+        worst = f"{format_number(s.get('alpha_min'))} ({s.get('worst_task', '–')})"
         row = [v, s.get("alpha_mean"), worst, s.get("alpha_std"), s.get("alpha_measured_mean"), s.get("U_ce"),
                s.get("U_kl"), s.get("U_tv"), s.get("speedup_predicted_mean"), s.get("speedup_predicted_max_over_min"),
                s.get("speedup_measured_mean"), s.get("speedup_measured_max_over_min"),
@@ -87,27 +88,28 @@ def _pair_tables(runs: dict[str, dict[str, Any]], dominant: str | None) -> list[
             base = _get(uniform, "dominant_alpha")
             here = s.get("dominant_alpha")
             row += [here, None if base is None or here is None else 100 * (here - base)]
-        row += [{True: "yes", False: "NO"}.get(s.get("verifier_unchanged"), "–"), s.get("finetune_seconds"),
+        row += [{True: "yes", False: "NO"}.get(s.get("verifier_greedy_identical"), "–"), s.get("finetune_seconds"),
                 s.get("eval_seconds")]
         table.append(row)
     lines += markdown_table(headers, table)
-    lines += ["", "Per character (ρ_T = characters per token, rate = ρ_T·S(α_T): characters per verifier-step time):",
-              ""]
+    lines += ["", "Per character (ρ_T = characters per token, rate = ρ_T·S(α_T)/mean ρ: characters per verifier-step "
+              "time relative to plain decoding at the tasks' mean characters per token):", ""]
     headers = ["variant", "rate mean", "worst rate (task)", "rate max/min", "chars/call mean", "chars/call max/min",
                "rate from generation max/min", "rate measured max/min", "U on D_T/ρ_T", "Spearman(fitness, rate)",
                "Spearman(data share, rate)"]
     table = []
     for v in variants:
         s = runs[v]["summary"]
-        worst = f"{format_number(s.get('char_rate_predicted_min'))} ({s.get('worst_char_rate_task', '–')})"
-        table.append([v, s.get("char_rate_predicted_mean"), worst, s.get("char_rate_predicted_max_over_min"),
+        worst = f"{format_number(s.get('char_speedup_predicted_min'))} ({s.get('worst_char_rate_task', '–')})"
+        table.append([v, s.get("char_speedup_predicted_mean"), worst, s.get("char_speedup_predicted_max_over_min"),
                       s.get("chars_per_call_mean"), s.get("chars_per_call_max_over_min"),
                       s.get("char_rate_generation_max_over_min"), s.get("char_rate_measured_max_over_min"),
                       s.get("U_kl_per_char"), s.get("spearman_fitness_char_rate"), s.get("spearman_share_char_rate")])
     lines += markdown_table(headers, table)
     tasks = [r["task"] for r in runs[variants[0]]["tasks"]]
     for key, title in (("alpha", "α_T per task (teacher-forced)"), ("alpha_measured", "α per task (generation)"),
-                       ("char_rate_predicted", "ρ_T·S(α_T) per task"), ("speedup_measured", "S measured per task")):
+                       ("char_speedup_predicted", "ρ_T·S(α_T)/mean ρ per task"),
+                       ("speedup_measured", "S measured per task")):
         if not any(r.get(key) is not None for run in runs.values() for r in run["tasks"]):
             continue
         lines += ["", f"{title}:", ""]
@@ -140,12 +142,12 @@ def comparisons(runs: dict[str, dict[str, Any]], dominant: str | None) -> list[d
         s = run["summary"]
         if not s.get("per_character"):
             continue
-        here, base = s.get("char_rate_predicted_max_over_min"), uniform.get("char_rate_predicted_max_over_min")
+        here, base = s.get("char_speedup_predicted_max_over_min"), uniform.get("char_speedup_predicted_max_over_min")
         if here is None or base is None:
             continue
         gap_here, gap_base = _ratio_gap(here), _ratio_gap(base)
         narrowing = 1 - gap_here / gap_base if gap_base else None
-        mean_diff = s["char_rate_predicted_mean"] - uniform["char_rate_predicted_mean"]
+        mean_diff = s["char_speedup_predicted_mean"] - uniform["char_speedup_predicted_mean"]
         out.append({"goal": "the per-character variant narrows the rate max/min by ≥ 25% at no lower mean rate",
                     "variant": v, "figure": f"max/min {here:.4g} vs {base:.4g} (gap max/min − 1 narrowed "
                     f"{'–' if narrowing is None else f'{100 * narrowing:.1f}%'}), mean rate {mean_diff:+.4g}",
@@ -172,8 +174,8 @@ def _ddp_lines(all_runs: dict[tuple, dict[str, Any]], ddp_rows: list[dict[str, A
         table = []
         for task in one:
             a, b = one[task], many.get(task, {})
-            table.append([task, a.get("alpha"), b.get("alpha"), a.get("char_rate_predicted"),
-                          b.get("char_rate_predicted"), a.get("cross_entropy"), b.get("cross_entropy")])
+            table.append([task, a.get("alpha"), b.get("alpha"), a.get("char_speedup_predicted"),
+                          b.get("char_speedup_predicted"), a.get("cross_entropy"), b.get("cross_entropy")])
         lines += markdown_table(["task", "α (1)", f"α ({world})", "rate (1)", f"rate ({world})", "K_T (1)",
                                  f"K_T ({world})"], table)
         deltas = [abs(r[1] - r[2]) for r in table if r[1] is not None and r[2] is not None]
@@ -192,7 +194,7 @@ def _ddp_lines(all_runs: dict[tuple, dict[str, Any]], ddp_rows: list[dict[str, A
 
 
 def plot_pair(runs: dict[str, dict[str, Any]], title: str, path_stem: Path) -> list[Path]:
-    """Grouped bars per task: α_T and ρ_T·S(α_T), one bar per variant."""
+    """Grouped bars per task: α_T and ρ_T·S(α_T)/mean ρ, one bar per variant."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -201,8 +203,8 @@ def plot_pair(runs: dict[str, dict[str, Any]], title: str, path_stem: Path) -> l
     variants = _order(list(runs))
     tasks = [r["task"] for r in runs[variants[0]]["tasks"]]
     paths = []
-    for key, label in (("alpha", "α_T (teacher-forced)"), ("char_rate_predicted", "ρ_T·S(α_T) (characters per "
-                                                                                   "verifier-step time)")):
+    for key, label in (("alpha", "α_T (teacher-forced)"),
+                       ("char_speedup_predicted", "ρ_T·S(α_T)/mean ρ (characters per verifier-step time)")):
         fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(tasks) * max(1, len(variants) / 4)), 4.5),
                                layout="constrained")
         width = 0.8 / len(variants)
@@ -280,8 +282,8 @@ def write_report(results: str | Path, plots: bool = True) -> Path:
             first = next(iter(pair_runs.values()))["summary"]
             dominant = first.get("dominant_task")
             lines += [f"### Pair: verifier + {pair}" + (f" ({world} processes)" if world != 1 else ""), "",
-                      f"K = {first.get('num_draft_tokens')}, c = {format_number(first.get('cost_ratio'))} "
-                      f"({first.get('cost_ratio_source')}), temperature {first.get('temperature')}, finetuning "
+                      f"K = {first.get('num_draft_tokens')}, {cost_ratio_line(first, short=True)}, temperature "
+                      f"{first.get('temperature')}, finetuning "
                       f"steps {max(r['summary'].get('finetune_steps', 0) for r in pair_runs.values())} for every "
                       "variant.", ""]
             lines += _pair_tables(pair_runs, dominant)

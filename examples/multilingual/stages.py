@@ -21,18 +21,10 @@ from typing import Any
 import torch
 
 from . import corpus as corpus_module
-from .config import PipelineConfig, parse_variant
+from .config import PipelineConfig, finetune_config
 from .corpus import PAD_ID, Corpus, encode, load_tokenizer
 from .evaluation import encode_prompts, evaluate_pair, mgsm_tasks, report_rows, verifier_fingerprint
-from .models import (
-    TokenStreams,
-    build_model,
-    count_parameters,
-    load_model,
-    save_model,
-    train_language_model,
-    weights_digest,
-)
+from .models import TokenStreams, build_model, count_parameters, load_model, save_model, train_language_model
 
 EXPERIMENTS = ("languages", "domains")
 
@@ -142,7 +134,8 @@ def stage_prepare(ctx: Context, data: str | Path) -> dict[str, Any]:
     rows = [{"kind": "prepare", "time": _now(), "seconds": seconds, "preset": cfg.preset,
              "vocab_size": manifest["vocab_size"], "tokenizer_chars_per_language":
                  manifest["tokenizer_chars_per_language"], "stats": manifest["stats"],
-             "dropped_as_evaluation_questions": manifest["dropped_as_evaluation_questions"]}]
+             "dropped_as_evaluation_questions": manifest["dropped_as_evaluation_questions"],
+             "settings": cfg.to_dict()}]
     write_rows(ctx, "prepare", rows)
     return manifest
 
@@ -155,7 +148,7 @@ def _streams(ctx: Context, tokenizer: Any, corpus: Corpus, split: str) -> TokenS
 
 def stage_train(ctx: Context, names: list[str] | None = None, export: str | Path | None = None
                 ) -> list[dict[str, Any]]:
-    """Train the verifier (balanced mix) and the drafters (their mixes) from scratch; write them to
+    """Train the verifier and the drafters from scratch, each on its mix; write them to
     ``<work>/models/`` as bf16 safetensors (and a copy of every file to ``export`` as soon as it is written, so a
     device run that is cut short still returns the models it finished)."""
     cfg = ctx.cfg
@@ -172,8 +165,7 @@ def stage_train(ctx: Context, names: list[str] | None = None, export: str | Path
     train, heldout = _streams(ctx, tokenizer, corpus, "train"), _streams(ctx, tokenizer, corpus, "heldout")
     rows = []
     for spec in specs:
-        balanced = {lang: 1.0 / len(cfg.languages) for lang in cfg.languages}
-        weights = balanced if spec.name == "verifier" else spec.weights(cfg.languages)
+        weights = spec.weights(cfg.languages)
         model = build_model(spec, len(tokenizer), cfg.max_positions, name_seed(cfg.seed, spec.name)).to(ctx.device)
         log = train_language_model(model, train, weights, steps=spec.steps, batch_size=spec.batch_size, lr=spec.lr,
                                    warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
@@ -188,7 +180,7 @@ def stage_train(ctx: Context, names: list[str] | None = None, export: str | Path
         rows.append({"kind": "train", "time": _now(), "preset": cfg.preset, "model": spec.name, "arch": spec.arch,
                      "params": count_parameters(model), "hidden_size": spec.hidden_size,
                      "num_layers": spec.num_layers, "device": _device_name(ctx.device),
-                     "files": {p.name: p.stat().st_size for p in files}, **log})
+                     "files": {p.name: p.stat().st_size for p in files}, "settings": cfg.to_dict(), **log})
         del model
     write_rows(ctx, "train__" + "+".join(s.name for s in specs), rows)
     return rows
@@ -242,16 +234,6 @@ def _task_data(ctx: Context, tokenizer: Any, corpus: Corpus, experiment: str) ->
     return {"train": train, "rho": rho, "ft_eval": ft_eval, "evaluation": evaluation}
 
 
-def _finetune_config(ctx: Context, fields: dict[str, Any]) -> Any:
-    from specdec import FinetuneConfig
-
-    cfg = ctx.cfg
-    return FinetuneConfig(**fields, steps=cfg.finetune_steps, batch_size_per_task=cfg.finetune_batch_size_per_task,
-                          seq_len=cfg.finetune_seq_len, lr=cfg.finetune_lr, eval_every=cfg.finetune_eval_every,
-                          weight_floor=cfg.weight_floor, temperature=cfg.temperature if cfg.temperature > 0 else 1.0,
-                          seed=cfg.seed)
-
-
 def stage_finetune(ctx: Context, pairs: list[str] | None = None, variants: list[str] | None = None,
                    experiment: str = "languages", save_drafters: bool = False) -> list[dict[str, Any]]:
     """For every pair and variant: finetune a copy of the pair's drafter (the same steps and data for every
@@ -262,6 +244,7 @@ def stage_finetune(ctx: Context, pairs: list[str] | None = None, variants: list[
 
     from specdec import clear_static_caches, finetune_drafter
     from specdec.fairness import measure_decode_costs
+    from specdec.finetune_checkpoint import weights_digest
 
     cfg = ctx.cfg
     if experiment not in EXPERIMENTS:
@@ -271,7 +254,7 @@ def stage_finetune(ctx: Context, pairs: list[str] | None = None, variants: list[
     for pair in pairs:
         cfg.drafter(pair)  # ValueError naming the drafters for an unknown name
     variants = variants or (cfg.domain_variants if experiment == "domains" else cfg.variants)
-    parsed = {variant: parse_variant(variant, "variants") for variant in variants}
+    configs = {variant: finetune_config(cfg, variant, "variants") for variant in variants}
     tokenizer = load_tokenizer(ctx.work)
     corpus = Corpus(ctx.work)
     data = _task_data(ctx, tokenizer, corpus, experiment)
@@ -292,26 +275,25 @@ def stage_finetune(ctx: Context, pairs: list[str] | None = None, variants: list[
                                         batch_size=cfg.eval_batch_size, repeats=cfg.cost_repeats,
                                         temperature=cfg.temperature, seed=cfg.seed)
         for variant in tqdm(variants, desc=f"{pair}: variants", disable=not (ctx.progress and ctx.main)):
-            fields = parsed[variant]
+            config = configs[variant]
             drafter = copy.deepcopy(initial)
             meta: dict[str, Any] = {
                 "experiment": experiment, "pair": pair, "variant": variant, "time": _now(), "preset": cfg.preset,
                 "seed": cfg.seed, "world_size": ctx.world, "device": _device_name(ctx.device),
-                "drafter_self_layers": spec.self_layers, "finetune_steps": 0 if fields is None else
-                cfg.finetune_steps, "method": "none" if fields is None else fields["method"],
-                "weight_basis": None if fields is None else fields["weight_basis"],
-                "per_character": bool(fields and fields["per_character"])}
+                "drafter_self_layers": spec.self_layers, "finetune_steps": 0 if config is None else config.steps,
+                "method": "none" if config is None else config.method,
+                "weight_basis": None if config is None else config.weight_basis,
+                "per_character": config is not None and config.per_character}
+            run: dict[str, Any] = {"settings": cfg.to_dict(), "train_chars_per_token": data["rho"]}  # summary only
             start = time.perf_counter()
-            if fields is not None:
-                result = finetune_drafter(drafter, verifier, data["train"], config=_finetune_config(ctx, fields),
+            if config is not None:
+                result = finetune_drafter(drafter, verifier, data["train"], config=config,
                                           eval_tasks=data["ft_eval"], chars_per_token=data["rho"],
                                           pad_token_id=PAD_ID, progress=ctx.progress and ctx.main)
-                final = result.final
-                meta["finetune_final"] = {k: final.get(k) for k in ("U", "U_ce", "U_kl", "U_tv", "U_char_kl",
-                                                                    "mean_alpha", "worst_alpha", "worst_task")}
-                meta["finetune_initial"] = {k: result.initial.get(k) for k in meta["finetune_final"]}
-            meta["finetune_seconds"] = None if fields is None else time.perf_counter() - start
-            meta["train_chars_per_token"] = data["rho"]
+                keys = ("U", "U_ce", "U_kl", "U_tv", "U_char_kl", "mean_alpha", "worst_alpha", "worst_task")
+                run["finetune_final"] = {k: result.final.get(k) for k in keys}
+                run["finetune_initial"] = {k: result.initial.get(k) for k in keys}
+            meta["finetune_seconds"] = None if config is None else time.perf_counter() - start
             if save_drafters and ctx.main:
                 save_model(drafter, ctx.work / "finetuned", f"{experiment}__{pair}__{variant}__w{ctx.world}",
                            max_file_mb=cfg.max_file_mb, dtype=torch.float32)
@@ -322,20 +304,18 @@ def stage_finetune(ctx: Context, pairs: list[str] | None = None, variants: list[
                 if after["greedy_sha256"] != before["greedy_sha256"]:  # same weights: kernel nondeterminism
                     warnings.warn(f"the verifier's greedy outputs differ after finetuning {pair} with {variant} "
                                   "although its weights are bitwise the same", RuntimeWarning, stacklevel=1)
-                meta.update(verifier_weights_unchanged=True,
-                            verifier_greedy_identical=after["greedy_sha256"] == before["greedy_sha256"],
+                meta.update(verifier_greedy_identical=after["greedy_sha256"] == before["greedy_sha256"],
                             verifier_weights_sha256=after["weights_sha256"],
                             verifier_greedy_sha256=after["greedy_sha256"])
-                meta["verifier_unchanged"] = meta["verifier_greedy_identical"]
                 wall_clock = cfg.wall_clock and (cfg.wall_clock_variants is None or variant in
                                                  cfg.wall_clock_variants)
                 start = time.perf_counter()
                 report = evaluate_pair(verifier, drafter.to(ctx.eval_dtype).eval(), data["evaluation"], tokenizer,
                                        cfg, cost, wall_clock, ctx.progress)
                 meta["eval_seconds"] = time.perf_counter() - start
-                meta["drafter_weights_sha256"] = weights_digest(drafter)
+                meta["drafter_weights_sha256"] = weights_digest(drafter.state_dict())
                 dominant = cfg.dominant_language if experiment == "languages" else None
-                rows += report_rows(report, meta, share, dominant)
+                rows += report_rows(report, meta, run, share, dominant)
                 write_rows(ctx, rows_name, rows)  # after every variant: a run cut short keeps what it finished
             del drafter
             clear_static_caches()
@@ -368,7 +348,8 @@ def stage_ddp_compare(ctx: Context) -> list[dict[str, Any]]:
             experiment, pair, variant = prefix.split("__")
             rows.append({"kind": "ddp", "time": _now(), "experiment": experiment, "pair": pair, "variant": variant,
                          "world_size": world, "max_abs_weight_difference": max_abs,
-                         "relative_l2_weight_difference": diff / norm if norm else None})
+                         "relative_l2_weight_difference": diff / norm if norm else None,
+                         "settings": ctx.cfg.to_dict()})
     if not rows:
         raise ValueError(f"no pair of drafters finetuned by 1 and by more processes in {folder}: run the finetune "
                          "stage with --save-drafters once as one process and once under torchrun")
