@@ -47,8 +47,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     from specdec.data import load_tasks
-    from specdec.fairness import TaskData, evaluate, measure_cost_ratio
+    from specdec.fairness import CostRatio, TaskData, evaluate
     from specdec.finetune import METHODS, FinetuneConfig, finetune_drafter
+    from specdec.speed import resolve_cost_ratio
 
     methods = args.methods.split(",")
     unknown = [m for m in methods if m != "none" and m not in METHODS]
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
         settings = FinetuneConfig(weight_basis=args.weight_basis, weight_floor=args.weight_floor, steps=args.steps,
                                   batch_size_per_task=args.batch_size_per_task, seq_len=args.seq_len, lr=args.lr,
                                   temperature=args.temperature, eval_every=args.eval_every, seed=args.seed)
+        given_cost = None if args.cost_ratio is None else CostRatio(value=args.cost_ratio, source="given")
     except (TypeError, ValueError) as error:
         parser.error(str(error))
     tasks = load_tasks(args.data)
@@ -85,9 +87,15 @@ def main(argv: list[str] | None = None) -> dict:
         dist.init_process_group("nccl" if cuda else "gloo")
         rank = dist.get_rank()
     verifier, drafter0, tokenizer = load_models(args)
-    cost_ratio = args.cost_ratio if args.cost_ratio is not None else measure_cost_ratio(verifier, drafter0)
+    eval_batch_size = 8
+    # c once for every method (finetuning changes the drafter's weights, not its cost); a measured one keeps its label
+    # and spread in every report
+    cost = resolve_cost_ratio(given_cost, verifier, drafter0, batch_size=eval_batch_size,
+                              max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    if rank == 0:
+        print(cost.describe())
     eval_kwargs = dict(tokenizer=tokenizer, num_draft_tokens=args.num_draft_tokens, temperature=args.temperature,
-                       max_new_tokens=args.max_new_tokens, cost_ratio=cost_ratio, seed=args.seed,
+                       max_new_tokens=args.max_new_tokens, batch_size=eval_batch_size, cost_ratio=cost, seed=args.seed,
                        eos_token_id=getattr(tokenizer, "eos_token_id", None), add_special_tokens=not args.no_bos)
     os.makedirs(args.out, exist_ok=True)
     results = {}

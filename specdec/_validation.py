@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -63,6 +64,26 @@ def as_int(value: object) -> int | None:
         is_integer = not (value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool)
         return int(value) if value.numel() == 1 and is_integer else None
     return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else None
+
+
+def eos_id_list(eos_token_id: int | Sequence[int] | torch.Tensor | None, vocab: int) -> list[int]:
+    """``eos_token_id`` (None, an int, a list of ints or an integer tensor, e.g. from a generation config) as a list of
+    Python ints in ``[0, vocab)``; TypeError for another type, ValueError for an id outside the range."""
+    if eos_token_id is None:
+        return []
+    if isinstance(eos_token_id, torch.Tensor):
+        eos_token_id = eos_token_id.reshape(-1).tolist()
+    single = as_int(eos_token_id)
+    if single is not None:
+        raw = [eos_token_id]
+    elif isinstance(eos_token_id, Sequence) and not isinstance(eos_token_id, (str, bytes)):
+        raw = list(eos_token_id)
+    else:
+        raise TypeError(f"eos_token_id must be an int or a list of ints, got {type(eos_token_id).__name__}")
+    ids = [as_int(token) for token in raw]
+    if any(token is None or not 0 <= token < vocab for token in ids):
+        raise ValueError(f"eos_token_id must be an int or list of ints in [0, {vocab}), got {eos_token_id!r}")
+    return ids
 
 
 def check_int_range(value: object, name: str, low: int, high: int, *, allow_none: bool = False,

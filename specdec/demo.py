@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -35,15 +34,9 @@ from typing import Any
 from specdec import data
 from specdec._paths import is_inside
 from specdec.demo_pair import (
-    CACHE_FORMAT,
-    PAIR_META_KEYS,
     PAIR_META_NAME,
     DemoError,
     DemoPair,
-    ModelShape,
-    PairConfig,
-    TrainingSpec,
-    build_model,
     check_cache_dir,
     check_writable_folder,
     default_cache_dir,
@@ -51,24 +44,18 @@ from specdec.demo_pair import (
     get_demo_pair,
     load_pair,
     protected_dirs,
-    train_language_model,
 )
 from specdec.demo_report import compact_table, comparison_markdown, headline, plot_comparison, report_markdown
+from specdec.fairness_report import cost_ratio_line
 
 __all__ = [
     "BASELINE_METHODS",
-    "CACHE_FORMAT",
     "DEFAULT_OUTPUT_DIR",
-    "PAIR_META_KEYS",
     "PAIR_META_NAME",
     "DemoError",
     "DemoPair",
     "DemoResult",
     "DemoSettings",
-    "ModelShape",
-    "PairConfig",
-    "TrainingSpec",
-    "build_model",
     "compact_table",
     "comparison_markdown",
     "default_cache_dir",
@@ -81,7 +68,6 @@ __all__ = [
     "protected_dirs",
     "resolve_output_dir",
     "run_demo",
-    "train_language_model",
 ]
 
 DEFAULT_OUTPUT_DIR = "specdec-demo-report"
@@ -241,8 +227,9 @@ def run_demo(
     Returns:
         :class:`DemoResult`.
     """
-    from specdec.fairness import CostRatio, evaluate, measure_decode_costs
+    from specdec.fairness import CostRatio, evaluate
     from specdec.finetune import FinetuneConfig, finetune_drafter
+    from specdec.speed import resolve_cost_ratio
 
     say = echo or (lambda _text: None)
     timings: dict[str, float] = {}
@@ -257,9 +244,10 @@ def run_demo(
         if finetune_steps < 1:
             raise DemoError(f"finetune_steps must be >= 1, got {finetune_steps}")
         settings = DemoSettings(**{**asdict(settings), "finetune_steps": finetune_steps})
-    if cost_ratio is not None and (isinstance(cost_ratio, bool) or not isinstance(cost_ratio, (int, float))
-                                   or not math.isfinite(cost_ratio) or cost_ratio < 0):
-        raise DemoError(f"cost_ratio must be a finite number >= 0, got {cost_ratio!r}")
+    try:
+        given = None if cost_ratio is None else CostRatio(value=cost_ratio, source="given")
+    except (TypeError, ValueError) as error:
+        raise DemoError(str(error)) from None
     if not isinstance(wall_clock, bool):
         raise DemoError(f"wall_clock must be True or False, got {wall_clock!r}")
     if not wall_clock:
@@ -272,15 +260,12 @@ def run_demo(
     info = pair.info
     say(f"demo pair: verifier {info['verifier_parameters']:,} parameters, drafter {info['drafter_parameters']:,} "
         f"parameters ({'loaded from cache' if pair.cache_hit else 'trained now'}: {pair.path})")
-    if cost_ratio is None:
-        step_started = time.perf_counter()
-        cost = measure_decode_costs(pair.verifier, pair.drafter, batch_size=settings.batch_size,
-                                    new_tokens=max(settings.max_new_tokens, 8), temperature=settings.temperature,
-                                    seed=seed)
+    step_started = time.perf_counter()
+    cost = resolve_cost_ratio(given, pair.verifier, pair.drafter, batch_size=settings.batch_size,
+                              max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, seed=seed)
+    if given is None:
         timings["cost_ratio_seconds"] = time.perf_counter() - step_started
-    else:
-        cost = CostRatio(value=float(cost_ratio), source="given")
-    say(f"cost ratio {cost.describe()}")
+    say(cost.describe())
 
     eval_suite = data.synthetic_task_suite(settings.num_eval_examples, seed=seed, split="eval")
     step_started = time.perf_counter()
@@ -346,7 +331,7 @@ def run_demo(
     reports = {"original": before, "s-CDF": after, **baseline_reports}
     comparison = [headline(name, report) for name, report in reports.items()]
     say("\nSummary (U = variance of the per-task cross-entropies K_T; S predicted with "
-        f"K = {settings.num_draft_tokens}, c = {cost.value:.3g} ({cost.source})"
+        f"K = {settings.num_draft_tokens}, {cost_ratio_line(cost.summary(), short=True)}"
         + ("; S measured on the wall clock" if settings.wall_clock else "") + "):\n")
     say(comparison_markdown(comparison))
 

@@ -7,7 +7,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specdec.fairness_report import format_number, mark_no_speedup, markdown_table, speed_warnings
+from specdec.fairness_report import (
+    columns_with_values,
+    cost_ratio_line,
+    format_number,
+    mark_no_speedup,
+    markdown_table,
+    speed_warnings,
+)
 
 if TYPE_CHECKING:
     from specdec.demo import DemoSettings
@@ -15,24 +22,31 @@ if TYPE_CHECKING:
     from specdec.fairness import CostRatio
 
 
-HEADLINE_KEYS = ("U_ce", "U_kl", "alpha_mean", "alpha_min", "worst_task", "speedup_predicted_min",
-                 "speedup_predicted_max", "speedup_predicted_max_over_min", "speedup_measured_min",
-                 "speedup_measured_max", "tokens_per_call_max_over_min")
-_COMPARISON_HEADERS = ("drafter", "U (CE)", "U (KL)", "mean α", "worst α", "worst task", "S predicted min",
-                       "S predicted max", "S predicted max/min", "S measured min", "S measured max")
+COMPARISON_COLUMNS = (
+    ("drafter", "drafter"), ("U (CE)", "U_ce"), ("U (KL)", "U_kl"), ("mean α", "alpha_mean"), ("worst α", "alpha_min"),
+    ("worst task", "worst_task"), ("S predicted min", "speedup_predicted_min"),
+    ("S predicted max", "speedup_predicted_max"), ("S predicted max/min", "speedup_predicted_max_over_min"),
+    ("S measured min", "speedup_measured_min"), ("S measured max", "speedup_measured_max"),
+    ("tok/call max/min", "tokens_per_call_max_over_min"),
+)
+"""The comparison table's (header, key) pairs: ``drafter`` is the drafter's name, the other keys are summary keys
+of its report."""
+
+_COMPACT_COLUMNS = (
+    ("task", "name"), ("α_T", "alpha"), ("S predicted", "speedup_predicted"), ("S measured", "speedup_measured"),
+    ("K_T (CE)", "cross_entropy"), ("D_T (KL)", "kl"), ("H_T(p)", "entropy"), ("α gen", "alpha_measured"),
+    ("tok/call", "tokens_per_call"),
+)
 
 
 def headline(name: str, report: Any) -> dict[str, Any]:
     """The figures of one drafter's report that the comparison table shows (and ``report.json`` keeps)."""
-    return {"drafter": name, **{key: report.summary.get(key) for key in HEADLINE_KEYS}}
+    return {"drafter": name, **{key: report.summary.get(key) for _, key in COMPARISON_COLUMNS[1:]}}
 
 
 def compact_table(report: Any) -> str:
     """The per-task figures a user needs on a terminal (the full table goes to the report file)."""
-    columns = [("task", "name"), ("α_T", "alpha"), ("S predicted", "speedup_predicted"),
-               ("S measured", "speedup_measured"), ("K_T (CE)", "cross_entropy"), ("D_T (KL)", "kl"),
-               ("H_T(p)", "entropy"), ("α gen", "alpha_measured"), ("tok/call", "tokens_per_call")]
-    columns = [c for c in columns if c[1] == "name" or any(getattr(r, c[1]) is not None for r in report.tasks)]
+    columns = columns_with_values(_COMPACT_COLUMNS, report.tasks)
     lines = markdown_table([title for title, _ in columns],
                            ([getattr(row, key) for _, key in columns] for row in report.tasks))
     summary = report.summary
@@ -47,13 +61,11 @@ def compact_table(report: Any) -> str:
 
 
 def comparison_markdown(rows: list[dict[str, Any]]) -> str:
-    """A markdown table of the headline figures, one row per drafter (original, s-CDF, baselines); the measured
-    columns appear when the wall clock was measured."""
-    keys = ["drafter", *HEADLINE_KEYS[:-1]]
-    headers = list(_COMPARISON_HEADERS)
-    if not any(row.get("speedup_measured_min") is not None for row in rows):
-        keys, headers = keys[:-2], headers[:-2]
-    return "\n".join(markdown_table(headers, ([row.get(key) for key in keys] for row in rows))) + "\n"
+    """A markdown table of the headline figures, one row per drafter (original, s-CDF, baselines); a column no
+    drafter has a value for (e.g. the measured ones without the wall clock) is left out."""
+    columns = columns_with_values(COMPARISON_COLUMNS, rows, lambda row, key: row.get(key))
+    return "\n".join(markdown_table([title for title, _ in columns],
+                                    ([row.get(key) for _, key in columns] for row in rows))) + "\n"
 
 
 def comparison_figure(reports: Mapping[str, Any]) -> Any:
@@ -112,14 +124,8 @@ def plot_comparison(reports: Mapping[str, Any], path: str | os.PathLike) -> Path
 def _speed_sentence(settings: DemoSettings, cost: CostRatio, info: Mapping[str, Any],
                     reports: Mapping[str, Any]) -> str:
     parameter_ratio = info["drafter_parameters"] / info["verifier_parameters"]
-    if cost.source == "given":
-        text = (f"\"S predicted\" is S(α_T, K, c) with the cost ratio c = {cost.value:.3g} given on the command line "
-                "(--cost-ratio). ")
-    else:
-        text = (f"\"S predicted\" is S(α_T, K, c) with c = {cost.value:.3g} measured on this machine on the decoding "
-                f"step of specdec.generate (per-repetition ratios {cost.ratio_min:.3g}–{cost.ratio_max:.3g}; one "
-                f"step {cost.drafter_step_s * 1e3:.3g} ms for the drafter, {cost.verifier_step_s * 1e3:.3g} ms for "
-                "the verifier). ")
+    text = f"\"S predicted\" is S(α_T, K, c) with the {cost_ratio_line(cost.summary())}"
+    text += ", from the command line (--cost-ratio). " if cost.source == "given" else ". "
     text += (f"The drafter/verifier parameter ratio, {parameter_ratio:.3g}, is what c would be where a step costs in "
              "proportion to the weights it reads (a GPU at small batch); models this small are overhead-bound on a "
              "CPU, so c is closer to 1 here. ")
@@ -156,8 +162,8 @@ def report_markdown(pair: DemoPair, settings: DemoSettings, cost: CostRatio, sam
         f"- verifier: {info['verifier_parameters']:,} parameters; drafter: {info['drafter_parameters']:,} parameters "
         f"({'loaded from the cache' if pair.cache_hit else 'trained in this run'}; `{pair.path}`)",
         f"- K = {settings.num_draft_tokens} drafts per round, temperature {settings.temperature}, "
-        f"cost ratio c = {cost.value:.3g} ({cost.source}); {settings.num_eval_examples} held-out prompts and texts "
-        "per task.",
+        f"cost ratio {cost_ratio_line(cost.summary(), short=True)}; {settings.num_eval_examples} held-out prompts "
+        "and texts per task.",
         f"- {_speed_sentence(settings, cost, info, reports)}",
         f"- s-CDF: {settings.finetune_steps} steps, {settings.finetune_batch_size_per_task} windows per task per step, "
         f"lr {settings.finetune_lr}, corrective weights on CE",

@@ -36,26 +36,25 @@ from typing import Any
 
 import torch
 
-from specdec._models import check_model_pair, model_device, model_vocab_size
+from specdec._models import check_model_pair, model_vocab_size
 from specdec.fairness_report import FairnessReport, TaskFairness
 from specdec.metrics import expected_tokens_per_call, speedup, speedup_lower_bounds
 from specdec.speed import (
     CostRatio,
+    SpeculativeRun,
     WallClockSpeedup,
-    measure_cost_ratio,
+    check_plain_generate,
     measure_decode_costs,
     measure_wall_clock_speedup,
+    resolve_cost_ratio,
+    run_speculative,
 )
 from specdec.teacher_forcing import (
-    TokenDivergences,
     decoded_length,
     divergences_from_logits,
     encode_items,
     pad_batch,
-    prefix_logits,
-    prefix_rows,
     task_divergences,
-    token_divergences,
 )
 
 __all__ = [
@@ -63,19 +62,14 @@ __all__ = [
     "FairnessReport",
     "TaskData",
     "TaskFairness",
-    "TokenDivergences",
     "divergences_from_logits",
     "encode_items",
     "evaluate",
-    "measure_cost_ratio",
     "measure_decode_costs",
     "measure_wall_clock_speedup",
     "pad_batch",
-    "prefix_logits",
-    "prefix_rows",
     "spearman",
     "task_divergences",
-    "token_divergences",
     "unfairness",
     "WallClockSpeedup",
 ]
@@ -190,23 +184,13 @@ def _spread(values: Sequence[float], prefix: str) -> dict[str, float | None]:
 
 
 
-def _generation_figures(verifier: torch.nn.Module, drafter: torch.nn.Module, prompts: list[list[int]], *,
-                        tokenizer: Any, num_draft_tokens: int, temperature: float, max_new_tokens: int,
-                        batch_size: int, seed: int, backend: str, eos_token_id: int | Sequence[int] | None,
-                        pad_token_id: int, vocab_size: int | None) -> dict[str, float | int | None]:
-    from specdec._seeding import derive_seed
-    from specdec.generate import generate
-
-    device = model_device(verifier)
-    drafted = accepted = generated = calls = tested = accepted_tested = 0
+def _generation_figures(runs: Sequence[SpeculativeRun], tokenizer: Any) -> dict[str, float | int | None]:
+    """Acceptance, tokens and characters per verifier call of a task's :func:`specdec.generate` runs."""
+    drafted = accepted = generated = calls = tested = accepted_tested = prompts = 0
     chars = 0
-    for batch_index, start in enumerate(range(0, len(prompts), batch_size)):
-        chunk = prompts[start:start + batch_size]
-        ids, mask = pad_batch(chunk, pad_token_id, "left", device)
-        out = generate(verifier, drafter, ids, mask, max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens,
-                       temperature=temperature, eos_token_id=eos_token_id, seed=derive_seed(seed, batch_index),
-                       backend=backend, pad_token_id=pad_token_id, vocab_size=vocab_size)
-        stats = out.stats
+    for run in runs:
+        stats = run.output.stats
+        prompts += run.output.sequences.shape[0]
         drafted += int(stats.drafted.sum())
         accepted += int(stats.accepted.sum())
         generated += int(stats.generated.sum())
@@ -214,13 +198,13 @@ def _generation_figures(verifier: torch.nn.Module, drafter: torch.nn.Module, pro
         tested += int(stats.attempted_per_position.sum())
         accepted_tested += int(stats.accepted_per_position.sum())
         if tokenizer is not None:
-            width = ids.shape[1]
-            for row in range(len(chunk)):
-                new = out.sequences[row, width:width + int(stats.generated[row])].tolist()
+            width = run.prompt_width
+            for row in range(run.output.sequences.shape[0]):
+                new = run.output.sequences[row, width:width + int(stats.generated[row])].tolist()
                 chars += decoded_length(tokenizer, new)  # an emitted eos is no text
     tokens_per_call = generated / calls if calls else float("nan")
     return {
-        "num_prompts": len(prompts), "generated_tokens": generated,
+        "num_prompts": prompts, "generated_tokens": generated,
         "alpha_measured": accepted_tested / tested if tested else None,
         "acceptance_rate": accepted / drafted if drafted else None,
         "tokens_per_call": tokens_per_call,
@@ -278,8 +262,11 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
         vocab_size: shared id range when the models' output sizes differ.
         wall_clock: for tasks with prompts, also measure the wall-clock speed-up of :func:`specdec.generate` over
             the verifier's own ``generate`` on those prompts with the same ``max_new_tokens`` and eos
-            (:func:`measure_wall_clock_speedup`); it costs ``wall_clock_repeats + 1`` more passes of each over the
-            prompts. wall_clock_repeats: timed repetitions of that measurement (>= 1).
+            (:func:`measure_wall_clock_speedup`; the verifier needs a ``generate`` method, checked before any task
+            runs). The measured acceptance and tokens per call then come from the timed ``specdec.generate`` runs
+            (the same calls and seeds as without the wall clock, :func:`run_speculative`); it costs
+            ``wall_clock_repeats`` more passes of ``specdec.generate`` and ``wall_clock_repeats + 1`` of the
+            verifier's ``generate`` over the prompts. wall_clock_repeats: timed repetitions (>= 1).
 
     Returns:
         :class:`FairnessReport`.
@@ -303,18 +290,16 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
     temperature = check_temperature(temperature)
     check_backend(backend)
     if cost_ratio is not None and not isinstance(cost_ratio, CostRatio):
-        if isinstance(cost_ratio, bool) or not isinstance(cost_ratio, (int, float)):
-            raise TypeError(f"cost_ratio must be a number >= 0, a CostRatio or None, got {type(cost_ratio).__name__}")
-        if not math.isfinite(cost_ratio) or cost_ratio < 0:
-            raise ValueError(f"cost_ratio must be a finite number >= 0, a CostRatio or None, got {cost_ratio!r}")
+        cost_ratio = CostRatio(value=cost_ratio, source="given")
     if tokenizer is not None and not (hasattr(tokenizer, "encode") and hasattr(tokenizer, "decode")):
         raise TypeError("tokenizer must have encode(text, add_special_tokens=False) and decode(ids) methods")
     data = {str(name): _as_task_data(str(name), value) for name, value in tasks.items()}
-    id_limit = min(model_vocab_size(verifier, "verifier"), model_vocab_size(drafter, "drafter"))
-    if vocab_size is not None:
-        id_limit = check_int_range(vocab_size, "vocab_size", 1, id_limit + 1, note=" (the models' output sizes)")
-    else:  # output sizes that differ must be explained (padding rows of one vocabulary) by vocab_size
-        resolve_vocab_size(verifier, drafter, None, tokenizer=tokenizer)
+    if wall_clock and any(task.prompts is not None for task in data.values()):
+        check_plain_generate(verifier)
+    # the ids both models take; output sizes that differ must be explained (padding rows of one vocabulary) by
+    # vocab_size
+    shared = resolve_vocab_size(verifier, drafter, vocab_size, tokenizer=tokenizer)
+    id_limit = shared or min(model_vocab_size(verifier, "verifier"), model_vocab_size(drafter, "drafter"))
     if tokenizer is not None:  # unknown tokens, texts cut at the positions: one SpecdecWarning per task and problem
         check_task_texts(data, tokenizer, max_positions=pair_positions(verifier, drafter), max_length=max_length,
                          max_new_tokens=max_new_tokens, add_special_tokens=add_special_tokens)
@@ -325,14 +310,8 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
             pad_token_id = eos if eos is not None else 0
     check_int_range(pad_token_id, "pad_token_id", 0, id_limit)
 
-    if cost_ratio is None:
-        cost = measure_decode_costs(verifier, drafter, batch_size=batch_size,
-                                    new_tokens=min(max(max_new_tokens, 8), 32), temperature=temperature, seed=seed,
-                                    vocab_size=id_limit, backend=backend)
-    elif isinstance(cost_ratio, CostRatio):
-        cost = cost_ratio
-    else:
-        cost = CostRatio(value=float(cost_ratio), source="given")
+    cost = resolve_cost_ratio(cost_ratio, verifier, drafter, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                              temperature=temperature, seed=seed, vocab_size=id_limit, backend=backend)
     c = float(cost.value)
     K = num_draft_tokens
 
@@ -346,7 +325,7 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
             tokens, chars = encode_items(texts, tokenizer, f"tasks[{name!r}].texts", add_special_tokens, id_limit)
             div = task_divergences(verifier, drafter, {name: tokens}, batch_size=batch_size, temperature=temperature,
                                    backend=backend, max_length=max_length, pad_token_id=pad_token_id,
-                                   vocab_size=vocab_size)[name]
+                                   vocab_size=shared)[name]
             m = div.means()
             row.num_texts, row.num_tokens = len(texts), div.num_tokens
             row.alpha, row.cross_entropy, row.kl, row.tv, row.entropy = (m["alpha"], m["cross_entropy"], m["kl"],
@@ -367,26 +346,28 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
                 row.chars_per_token = total_chars / total_tokens if total_tokens else None
         if task.prompts is not None:
             prompts = list(task.prompts)[:max_examples]
-            prompt_tokens, _ = encode_items(prompts, tokenizer, f"tasks[{name!r}].prompts", add_special_tokens)
+            prompt_tokens, _ = encode_items(prompts, tokenizer, f"tasks[{name!r}].prompts", add_special_tokens,
+                                            id_limit)
             if any(len(p) == 0 for p in prompt_tokens):
                 raise ValueError(f"tasks[{name!r}].prompts contains an empty prompt")
-            gen = _generation_figures(verifier, drafter, prompt_tokens, tokenizer=tokenizer, num_draft_tokens=K,
-                                      temperature=temperature, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                                      seed=seed, backend=backend, eos_token_id=eos_token_id,
-                                      pad_token_id=pad_token_id, vocab_size=vocab_size)
+            generation = {"num_draft_tokens": K, "temperature": temperature, "max_new_tokens": max_new_tokens,
+                          "batch_size": batch_size, "seed": seed, "backend": backend, "eos_token_id": eos_token_id,
+                          "pad_token_id": pad_token_id, "vocab_size": shared}
+            if wall_clock:  # the figures of generation come from the speculative runs that were timed
+                timing = measure_wall_clock_speedup(verifier, drafter, prompt_tokens, repeats=wall_clock_repeats,
+                                                    **generation)
+                runs = timing.speculative_runs
+                row.speedup_measured = timing.speedup
+                row.speedup_measured_min, row.speedup_measured_max = timing.speedup_min, timing.speedup_max
+                row.speculative_seconds, row.plain_seconds = timing.speculative_s, timing.plain_s
+            else:
+                runs = run_speculative(verifier, drafter, prompt_tokens, **generation)
+            gen = _generation_figures(runs, tokenizer)
             row.num_prompts = gen["num_prompts"]
             row.alpha_measured, row.tokens_per_call = gen["alpha_measured"], gen["tokens_per_call"]
             row.acceptance_rate = gen["acceptance_rate"]
             row.speedup_predicted_generation = row.tokens_per_call / (K * c + 1.0)
             row.chars_per_call = gen["chars_per_call"]
-            if wall_clock:
-                timing = measure_wall_clock_speedup(
-                    verifier, drafter, prompt_tokens, num_draft_tokens=K, temperature=temperature,
-                    max_new_tokens=max_new_tokens, batch_size=batch_size, repeats=wall_clock_repeats, seed=seed,
-                    backend=backend, eos_token_id=eos_token_id, pad_token_id=pad_token_id, vocab_size=vocab_size)
-                row.speedup_measured = timing.speedup
-                row.speedup_measured_min, row.speedup_measured_max = timing.speedup_min, timing.speedup_max
-                row.speculative_seconds, row.plain_seconds = timing.speculative_s, timing.plain_s
             if row.chars_per_token is None and gen["gen_chars_per_token"] is not None:
                 row.chars_per_token = gen["gen_chars_per_token"]
         rows.append(row)
@@ -411,7 +392,6 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
     timed = [r for r in rows if r.speedup_measured is not None]
     if timed:
         summary.update(_spread([r.speedup_measured for r in timed], "speedup_measured"))
-        summary["slower_tasks_measured"] = [r.name for r in timed if r.speedup_measured < 1.0]
     # Per-character figures: char_speedup = S_T * rho_T / mean(rho), rho_T = characters per token, i.e. the speed-up
     # in characters per unit of verifier time relative to plain decoding at the average characters per token.
     rho = [r.chars_per_token for r in rows if r.chars_per_token is not None]

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -23,6 +23,14 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> 
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(format_number(cell) for cell in row) + " |" for row in rows]
     return lines
+
+
+def columns_with_values(columns: Sequence[tuple[str, str]], rows: Sequence[Any],
+                        value: Callable[[Any, str], object] = getattr) -> list[tuple[str, str]]:
+    """The ``(header, key)`` pairs of ``columns`` that some row has a value for (``value(row, key)`` not None); the
+    first column (the row's name) is always kept."""
+    return [column for index, column in enumerate(columns)
+            if index == 0 or any(value(row, column[1]) is not None for row in rows)]
 
 
 @dataclass
@@ -98,10 +106,10 @@ class FairnessReport:
                    ("S(1−TV) bound", "bound_tv"), ("S Pinsker bound", "bound_pinsker"), ("α gen", "alpha_measured"),
                    ("tok/call", "tokens_per_call"), ("S predicted from tok/call", "speedup_predicted_generation"),
                    ("chars/call", "chars_per_call"), ("char S predicted", "char_speedup_predicted")]
-        columns = [c for c in columns if c[1] == "name" or any(getattr(r, c[1]) is not None for r in self.tasks)]
+        columns = columns_with_values(columns, self.tasks)
         lines = markdown_table([c[0] for c in columns], ([_cell(row, c[1]) for c in columns] for row in self.tasks))
         s = self.summary
-        lines += ["", *_column_notes([c[1] for c in columns], s), "", cost_ratio_line(s) + f", K = "
+        lines += ["", *_column_notes([c[1] for c in columns]), "", cost_ratio_line(s) + f", K = "
                   f"{s.get('num_draft_tokens')}, temperature = {s.get('temperature')}", ""]
         keys = ["U_ce", "U_kl", "U_tv", "alpha_mean", "alpha_min", "alpha_max", "alpha_max_over_min", "alpha_std",
                 "speedup_predicted_mean", "speedup_predicted_min", "speedup_predicted_max",
@@ -209,13 +217,15 @@ def mark_no_speedup(ax: Any) -> None:
 
 
 def cost_ratio_line(summary: dict[str, Any], short: bool = False) -> str:
-    """How the report's cost ratio c was obtained, from its summary keys (``given``, or measured with its spread)."""
+    """How the cost ratio c was obtained, from the summary keys of :meth:`specdec.fairness.CostRatio.summary`:
+    ``cost ratio c = 0.1 (given)``, or measured with its path, batch, repetitions, spread and (when known) the step
+    times; ``short``: only ``c = 0.1 (given)`` or ``c = 0.76 (measured)``."""
     value = format_number(summary.get("cost_ratio"))
-    source = summary.get("cost_ratio_source")
-    if source != "measured":
-        return f"c = {value} ({source or 'given'})"
+    source = summary.get("cost_ratio_source") or "given"
     if short:
-        return f"c = {value} (measured)"
+        return f"c = {value} ({source})"
+    if source != "measured":
+        return f"cost ratio c = {value} ({source})"
     spread = (f"p20–p80 {format_number(summary.get('cost_ratio_p20'))}–{format_number(summary.get('cost_ratio_p80'))},"
               f" min–max {format_number(summary.get('cost_ratio_min'))}–{format_number(summary.get('cost_ratio_max'))}")
     steps = ""
@@ -235,7 +245,7 @@ def _cell(row: TaskFairness, attr: str) -> object:
     return value
 
 
-def _column_notes(attrs: Sequence[str], summary: dict[str, Any]) -> list[str]:
+def _column_notes(attrs: Sequence[str]) -> list[str]:
     notes = {
         "speedup_predicted": "S predicted = S(α_T, K, c) = E[N] / (K c + 1), the cost model's speed-up from the "
                              "teacher-forced α_T",

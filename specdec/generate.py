@@ -25,7 +25,7 @@ from specdec._eager_decode import DecodeResult, decode_eager
 from specdec._fast_decode import Sampling, clear_engines, decode_static, get_engine
 from specdec._models import check_model_pair, model_device, model_vocab_size, sliding_window
 from specdec._slot_cache import fast_path_problem
-from specdec._validation import as_int, check_backend, check_int_range, check_temperature, check_tensor
+from specdec._validation import as_int, check_backend, check_int_range, check_temperature, check_tensor, eos_id_list
 
 _DRAFT_STREAM_SALT = 0x5DEECE66D  # separates the drafter's random stream from the sampler's
 
@@ -121,24 +121,6 @@ def _check_int(value: object, name: str, minimum: int) -> int:
     if number is None or number < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return number
-
-
-def _eos_ids(eos_token_id: int | Sequence[int] | None, vocab: int) -> list[int]:
-    if eos_token_id is None:
-        return []
-    if isinstance(eos_token_id, torch.Tensor):  # e.g. a tensor from a generation config
-        eos_token_id = eos_token_id.reshape(-1).tolist()
-    single = as_int(eos_token_id)
-    if single is not None:
-        raw = [eos_token_id]
-    elif isinstance(eos_token_id, Sequence) and not isinstance(eos_token_id, (str, bytes)):
-        raw = list(eos_token_id)
-    else:
-        raise TypeError(f"eos_token_id must be an int or a list of ints, got {type(eos_token_id).__name__}")
-    ids = [as_int(token) for token in raw]
-    if any(token is None or not 0 <= token < vocab for token in ids):
-        raise ValueError(f"eos_token_id must be an int or list of ints in [0, {vocab}), got {eos_token_id!r}")
-    return ids
 
 
 @torch.no_grad()
@@ -260,7 +242,7 @@ def generate(
         raise ValueError(f"vocab_size={vocab} exceeds a model's vocabulary ({verifier_vocab}, {drafter_vocab})")
     if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
         raise ValueError(f"input_ids must lie in [0, vocab_size={vocab})")
-    eos_ids = _eos_ids(eos_token_id, vocab)
+    eos_ids = eos_id_list(eos_token_id, vocab)
     pad_token_id = check_int_range(pad_token_id, "pad_token_id", 0, vocab, allow_none=True, note=" (vocab_size)")
     seed = check_int_range(seed, "seed", 0, 2**64, allow_none=True)
     pad = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from ._validation import check_logit_rows, check_temperature, check_tensor
+from ._validation import check_logit_rows, check_number, check_temperature, check_tensor
 
 TensorOrFloat = torch.Tensor | float
 
@@ -67,11 +67,10 @@ def speedup(alpha: TensorOrFloat, num_draft_tokens: int, cost_ratio: float) -> T
     predicts (a round costs K drafter steps and one verifier step; nothing else).
 
     cost_ratio: c = t_drafter / t_verifier >= 0 (time of one drafter decoding step over one verifier step;
-    :func:`specdec.fairness.measure_decode_costs` measures it).
+    :func:`specdec.fairness.measure_decode_costs` measures it); TypeError for a non-number, ValueError for a negative
+    or non-finite one.
     """
-    if isinstance(cost_ratio, bool) or not (
-            isinstance(cost_ratio, (int, float)) and math.isfinite(cost_ratio) and cost_ratio >= 0):
-        raise ValueError(f"cost_ratio must be a finite number >= 0, got {cost_ratio!r}")
+    cost_ratio = check_number(cost_ratio, "cost_ratio", 0.0)
     return expected_tokens_per_call(alpha, num_draft_tokens) / (num_draft_tokens * cost_ratio + 1.0)
 
 

@@ -4,7 +4,10 @@
 ``num_draft_tokens=0`` (so on the path ``generate`` takes on that device: static with CUDA graphs on CUDA, eager on
 the CPU); a step is ``(t(N new tokens) - t(1)) / (N - 1)``, which leaves out the prompt's call, and c is the median
 of per-repetition ratios with the two models timed back to back in alternating order. :func:`measure_wall_clock_speedup`
-times ``specdec.generate`` against the verifier's own ``generate`` on the same prompts, warmed up and synchronised.
+times ``specdec.generate`` against the verifier's own ``generate`` on the same prompts, warmed up and synchronised, and
+keeps its speculative runs (:class:`SpeculativeRun`), so acceptance and tokens per call can be read from the runs that
+were timed. :func:`resolve_cost_ratio` turns a given c, a :class:`CostRatio` or None (measure it) into a
+:class:`CostRatio`.
 """
 
 from __future__ import annotations
@@ -13,12 +16,23 @@ import math
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from specdec._models import check_model_pair, model_device, model_vocab_size
+from specdec._seeding import derive_seed
+from specdec._validation import (
+    check_backend,
+    check_int_at_least,
+    check_int_range,
+    check_number,
+    check_temperature,
+    eos_id_list,
+)
+from specdec.compat import model_positions, resolve_vocab_size
+from specdec.fairness_report import cost_ratio_line
 from specdec.teacher_forcing import pad_batch
 
 COST_RATIO_SOURCES = ("measured", "given")
@@ -49,9 +63,7 @@ class CostRatio:
     new_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        value = self.value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"cost_ratio must be a finite number >= 0, got {value!r}")
+        object.__setattr__(self, "value", check_number(self.value, "cost_ratio", 0.0))
         if self.source not in COST_RATIO_SOURCES:
             raise ValueError(f"CostRatio.source must be one of {COST_RATIO_SOURCES}, got {self.source!r}")
 
@@ -67,14 +79,33 @@ class CostRatio:
         return out
 
     def describe(self) -> str:
-        """One line for a report, e.g. ``c = 0.76 (measured: ...)`` or ``c = 0.1 (given)``."""
-        if self.source == "given":
-            return f"c = {self.value:.4g} (given)"
-        return (f"c = {self.value:.4g} (measured: median of {self.repeats} timed repetitions of one decoding step of "
-                f"specdec.generate, {self.path} path, batch {self.batch_size}; drafter "
-                f"{self.drafter_step_s * 1e3:.3g} ms, verifier {self.verifier_step_s * 1e3:.3g} ms per step; "
-                f"per-repetition ratios p20–p80 {self.ratio_p20:.4g}–{self.ratio_p80:.4g}, "
-                f"min–max {self.ratio_min:.4g}–{self.ratio_max:.4g})")
+        """One line for a report: ``cost ratio c = 0.1 (given)``, or the measured c with how it was measured and its
+        spread (:func:`specdec.fairness_report.cost_ratio_line`)."""
+        return cost_ratio_line(self.summary())
+
+
+def resolve_cost_ratio(cost_ratio: float | CostRatio | None, verifier: torch.nn.Module, drafter: torch.nn.Module, *,
+                       batch_size: int = 1, max_new_tokens: int = 32, temperature: float = 0.0, seed: int = 0,
+                       vocab_size: int | None = None, backend: str = "auto") -> CostRatio:
+    """``cost_ratio`` as a :class:`CostRatio`: a CostRatio as it is, a number labelled ``"given"``, and None measured
+    now with :func:`measure_decode_costs` (``batch_size`` rows, ``max_new_tokens`` clamped to [8, 32] new tokens, at
+    ``temperature``, prompt ids below ``vocab_size``)."""
+    if isinstance(cost_ratio, CostRatio):
+        return cost_ratio
+    if cost_ratio is not None:
+        return CostRatio(value=cost_ratio, source="given")
+    return measure_decode_costs(verifier, drafter, batch_size=batch_size, new_tokens=min(max(max_new_tokens, 8), 32),
+                                temperature=temperature, seed=seed, vocab_size=vocab_size, backend=backend)
+
+
+@dataclass(frozen=True)
+class SpeculativeRun:
+    """One batch of prompts decoded by :func:`specdec.generate`: ``output`` (its ``GenerateOutput``) and
+    ``prompt_width``, the columns of the left-padded prompt batch; row r's new tokens are
+    ``output.sequences[r, prompt_width:prompt_width + output.stats.generated[r]]``."""
+
+    prompt_width: int
+    output: Any
 
 
 @dataclass(frozen=True)
@@ -87,7 +118,8 @@ class WallClockSpeedup:
     same work (same seeds), so one pair of token counts serves every repetition. Greedy decoding emits the same
     tokens both ways, so the ratio is then t_plain / t_speculative. ``speculative_s`` and ``plain_s`` are the median
     seconds of one repetition; ``speedup_min`` and ``speedup_max`` the extreme per-repetition ratios. Below 1,
-    speculative decoding was slower.
+    speculative decoding was slower. ``speculative_runs``: the last timed ``specdec.generate`` call of each batch, in
+    prompt order (what :func:`run_speculative` returns for the same arguments).
     """
 
     speedup: float
@@ -98,6 +130,7 @@ class WallClockSpeedup:
     repeats: int
     speculative_tokens: int
     plain_tokens: int
+    speculative_runs: tuple[SpeculativeRun, ...] = field(default=(), repr=False)
 
 
 def _quantile(values: Sequence[float], q: float) -> float:
@@ -123,9 +156,10 @@ def _timed(device: torch.device, call: Any, *args: Any, **kwargs: Any) -> tuple[
     return time.perf_counter() - start, out
 
 
-def _max_positions(model: torch.nn.Module) -> int | None:
-    value = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+def _shared_vocab(verifier: torch.nn.Module, drafter: torch.nn.Module, vocab_size: int | None) -> int:
+    """The ids both models take: ``vocab_size`` checked, else their common output size
+    (:func:`specdec.compat.resolve_vocab_size`; ValueError for output sizes that differ)."""
+    return resolve_vocab_size(verifier, drafter, vocab_size) or model_vocab_size(verifier, "verifier")
 
 
 @torch.no_grad()
@@ -154,7 +188,6 @@ def measure_decode_costs(verifier: torch.nn.Module, drafter: torch.nn.Module, *,
     Returns:
         :class:`CostRatio` with ``source="measured"``.
     """
-    from specdec._validation import check_backend, check_int_at_least, check_int_range, check_temperature
     from specdec.generate import generate
 
     check_model_pair(verifier, drafter)
@@ -168,11 +201,9 @@ def measure_decode_costs(verifier: torch.nn.Module, drafter: torch.nn.Module, *,
     device = model_device(verifier)
     if model_device(drafter) != device:
         raise ValueError(f"drafter is on {model_device(drafter)} but verifier is on {device}: move them to one device")
-    vocab = min(model_vocab_size(verifier, "verifier"), model_vocab_size(drafter, "drafter"))
-    if vocab_size is not None:
-        vocab = check_int_range(vocab_size, "vocab_size", 1, vocab + 1, note=" (the models' output sizes)")
+    vocab = _shared_vocab(verifier, drafter, vocab_size)
     for name, model in (("verifier", verifier), ("drafter", drafter)):
-        positions = _max_positions(model)
+        positions = model_positions(model)
         if positions is not None and seq_len + new_tokens > positions:
             raise ValueError(f"seq_len + new_tokens = {seq_len} + {new_tokens} exceeds the {name}'s "
                              f"{positions} positions; lower seq_len or new_tokens")
@@ -210,14 +241,6 @@ def measure_decode_costs(verifier: torch.nn.Module, drafter: torch.nn.Module, *,
                      new_tokens=new_tokens)
 
 
-def measure_cost_ratio(verifier: torch.nn.Module, drafter: torch.nn.Module, *, batch_size: int = 1,
-                       seq_len: int = 16, repeats: int = 10, warmup: int = 1, seed: int = 0) -> float:
-    """c = t_drafter / t_verifier as a plain number: ``measure_decode_costs(...).value`` (see
-    :func:`measure_decode_costs` for how it is timed and for its spread)."""
-    return measure_decode_costs(verifier, drafter, batch_size=batch_size, seq_len=seq_len, repeats=repeats,
-                                warmup=warmup, seed=seed).value
-
-
 def _emitted_tokens(new: torch.Tensor, eos_ids: list[int]) -> int:
     """Tokens each row of ``new`` [B, N] emitted: up to and including its first eos (all N without one)."""
     if not eos_ids:
@@ -225,6 +248,97 @@ def _emitted_tokens(new: torch.Tensor, eos_ids: list[int]) -> int:
     is_eos = torch.isin(new, torch.tensor(eos_ids, device=new.device))
     first = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, new.shape[1])
     return int(first.sum())
+
+
+def check_plain_generate(verifier: torch.nn.Module) -> None:
+    """TypeError unless ``verifier`` has the Hugging Face ``generate`` method the wall clock times plain decoding
+    with."""
+    if not callable(getattr(verifier, "generate", None)):
+        raise TypeError("verifier must have a Hugging Face generate method to time plain decoding against (without "
+                        "one, leave the wall clock out: evaluate(..., wall_clock=False))")
+
+
+def _check_prompts(prompts: object, vocab: int) -> list[list[int]]:
+    """``prompts`` as lists of ints: TypeError unless a list of int lists, ValueError for an empty list or prompt or
+    an id outside ``[0, vocab)``."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    checked = []
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence) or not all(
+                isinstance(token, int) and not isinstance(token, bool) for token in prompt):
+            raise TypeError(f"prompts[{index}] must be a list of int token ids, got {prompt!r}")
+        if len(prompt) == 0:
+            raise ValueError(f"prompts must be a list of non-empty token-id lists; prompts[{index}] is empty")
+        if not 0 <= min(prompt) <= max(prompt) < vocab:
+            raise ValueError(f"prompts[{index}] has token ids outside [0, {vocab}) (the models' shared vocabulary)")
+        checked.append(list(prompt))
+    return checked
+
+
+@dataclass(frozen=True)
+class _SpeculativeSetup:
+    """Checked arguments of :func:`run_speculative` / :func:`measure_wall_clock_speedup`: the left-padded batches,
+    the eos ids and the options of every ``specdec.generate`` call but its seed."""
+
+    device: torch.device
+    batches: list[tuple[torch.Tensor, torch.Tensor]]
+    eos_ids: list[int]
+    options: dict[str, Any]
+    seed: int
+
+    def batch_seed(self, index: int) -> int:
+        """The seed of batch ``index``, for both methods: ``derive_seed(seed, index)``."""
+        return derive_seed(self.seed, index)
+
+    def run(self, verifier: torch.nn.Module, drafter: torch.nn.Module, index: int) -> SpeculativeRun:
+        """``specdec.generate`` on batch ``index``, seeded with :meth:`batch_seed`."""
+        from specdec.generate import generate
+
+        ids, mask = self.batches[index]
+        out = generate(verifier, drafter, ids, mask, seed=self.batch_seed(index), **self.options)
+        return SpeculativeRun(prompt_width=ids.shape[1], output=out)
+
+
+def _speculative_setup(verifier: torch.nn.Module, drafter: torch.nn.Module, prompts: Sequence[Sequence[int]], *,
+                       num_draft_tokens: int, temperature: float, max_new_tokens: int, batch_size: int, seed: int,
+                       backend: str, eos_token_id: int | Sequence[int] | None, pad_token_id: int,
+                       vocab_size: int | None, static: bool | None) -> _SpeculativeSetup:
+    check_model_pair(verifier, drafter)
+    for name, value, low in (("num_draft_tokens", num_draft_tokens, 1), ("max_new_tokens", max_new_tokens, 1),
+                             ("batch_size", batch_size, 1)):
+        check_int_at_least(value, name, low)
+    temperature = check_temperature(temperature)
+    check_backend(backend)
+    vocab = _shared_vocab(verifier, drafter, vocab_size)
+    checked = _check_prompts(prompts, vocab)
+    eos_ids = eos_id_list(eos_token_id, vocab)
+    check_int_range(pad_token_id, "pad_token_id", 0, vocab)
+    device = model_device(verifier)
+    batches = [pad_batch(checked[start:start + batch_size], pad_token_id, "left", device)
+               for start in range(0, len(checked), batch_size)]
+    options = {"max_new_tokens": max_new_tokens, "num_draft_tokens": num_draft_tokens, "temperature": temperature,
+               "eos_token_id": eos_ids or None, "backend": backend, "pad_token_id": pad_token_id,
+               "vocab_size": vocab_size, "static": static}
+    return _SpeculativeSetup(device=device, batches=batches, eos_ids=eos_ids, options=options, seed=seed)
+
+
+@torch.no_grad()
+def run_speculative(verifier: torch.nn.Module, drafter: torch.nn.Module, prompts: Sequence[Sequence[int]], *,
+                    num_draft_tokens: int = 4, temperature: float = 0.0, max_new_tokens: int = 32, batch_size: int = 8,
+                    seed: int = 0, backend: str = "auto", eos_token_id: int | Sequence[int] | None = None,
+                    pad_token_id: int = 0, vocab_size: int | None = None,
+                    static: bool | None = None) -> list[SpeculativeRun]:
+    """:func:`specdec.generate` once on each left-padded batch of ``batch_size`` prompts, batch b seeded with
+    ``derive_seed(seed, b)``: the same calls, with the same seeds, that :func:`measure_wall_clock_speedup` times.
+    Arguments as there. Returns one :class:`SpeculativeRun` per batch, in prompt order."""
+    setup = _speculative_setup(verifier, drafter, prompts, num_draft_tokens=num_draft_tokens, temperature=temperature,
+                               max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, backend=backend,
+                               eos_token_id=eos_token_id, pad_token_id=pad_token_id, vocab_size=vocab_size,
+                               static=static)
+    return [setup.run(verifier, drafter, index) for index in range(len(setup.batches))]
 
 
 @torch.no_grad()
@@ -246,79 +360,60 @@ def measure_wall_clock_speedup(verifier: torch.nn.Module, drafter: torch.nn.Modu
 
     Args:
         verifier, drafter: Hugging Face causal LMs on one device (the verifier needs a ``generate`` method).
-        prompts: token-id lists (non-empty). num_draft_tokens: K >= 1. temperature: >= 0.
+        prompts: a non-empty list of non-empty lists of int token ids. num_draft_tokens: K >= 1. temperature: >= 0.
         max_new_tokens, batch_size, repeats: >= 1. warmup: >= 0. seed: sampling seeds.
         backend, static: passed to :func:`specdec.generate`. eos_token_id: int, list or None. pad_token_id: left
         padding. vocab_size: the shared id range when the models' output sizes differ.
 
     Returns:
-        :class:`WallClockSpeedup`.
+        :class:`WallClockSpeedup`, with the last timed speculative run of each batch (``speculative_runs``).
     """
-    from specdec._seeding import derive_seed
-    from specdec._validation import check_backend, check_int_at_least, check_temperature
-    from specdec.generate import generate
-
-    check_model_pair(verifier, drafter)
-    if not callable(getattr(verifier, "generate", None)):
-        raise TypeError("verifier must have a Hugging Face generate method to time plain decoding against")
-    for name, value, low in (("num_draft_tokens", num_draft_tokens, 1), ("max_new_tokens", max_new_tokens, 1),
-                             ("batch_size", batch_size, 1), ("repeats", repeats, 1), ("warmup", warmup, 0)):
-        check_int_at_least(value, name, low)
-    temperature = check_temperature(temperature)
-    check_backend(backend)
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise ValueError("prompts must be a non-empty list of token-id lists")
-    if any(isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or len(p) == 0 for p in prompts):
-        raise ValueError("prompts must be a list of non-empty token-id lists")
-    if eos_token_id is None:
-        eos_ids: list[int] = []
-    elif isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool):
-        eos_ids = [eos_token_id]
-    elif isinstance(eos_token_id, Sequence) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                    for t in eos_token_id):
-        eos_ids = list(eos_token_id)
-    else:
-        raise TypeError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")
-    device = model_device(verifier)
+    check_plain_generate(verifier)
+    check_int_at_least(repeats, "repeats", 1)
+    check_int_at_least(warmup, "warmup", 0)
+    setup = _speculative_setup(verifier, drafter, prompts, num_draft_tokens=num_draft_tokens, temperature=temperature,
+                               max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, backend=backend,
+                               eos_token_id=eos_token_id, pad_token_id=pad_token_id, vocab_size=vocab_size,
+                               static=static)
+    device, eos_ids = setup.device, setup.eos_ids
+    temperature = setup.options["temperature"]
     sampled = temperature > 0
     plain_options: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": sampled,
                                      "eos_token_id": eos_ids or None, "pad_token_id": pad_token_id}
     if sampled:
         plain_options.update(temperature=temperature, top_k=0, top_p=1.0)
-    batches = [pad_batch(prompts[start:start + batch_size], pad_token_id, "left", device)
-               for start in range(0, len(prompts), batch_size)]
     speculative_times, plain_times = [0.0] * repeats, [0.0] * repeats
     speculative_tokens = plain_tokens = 0
+    runs: list[SpeculativeRun] = []
 
-    def speculative(index: int, ids: torch.Tensor, mask: torch.Tensor) -> int:
-        out = generate(verifier, drafter, ids, mask, max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens,
-                       temperature=temperature, eos_token_id=eos_ids or None,
-                       seed=derive_seed(seed, "wall_clock", index), backend=backend, pad_token_id=pad_token_id,
-                       vocab_size=vocab_size, static=static)
-        return int(out.stats.generated.sum())
-
-    def plain(index: int, ids: torch.Tensor, mask: torch.Tensor) -> int:
+    def plain(index: int) -> int:
+        ids, mask = setup.batches[index]
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(derive_seed(seed, "wall_clock", index))
+            torch.manual_seed(setup.batch_seed(index))
             out = verifier.generate(input_ids=ids, attention_mask=mask, **plain_options)
         return _emitted_tokens(out[:, ids.shape[1]:], eos_ids)
 
-    for index, (ids, mask) in enumerate(batches):
+    for index in range(len(setup.batches)):
         for _ in range(warmup):
-            speculative(index, ids, mask)
-            plain(index, ids, mask)
-        counts = {}
+            setup.run(verifier, drafter, index)
+            plain(index)
+        last: SpeculativeRun | None = None
+        plain_count = 0
         for repetition in range(repeats):
-            order = [(speculative, speculative_times), (plain, plain_times)]
-            if (repetition + index) % 2:
-                order.reverse()
-            for method, times in order:
-                seconds, counts[method] = _timed(device, method, index, ids, mask)
-                times[repetition] += seconds
-        speculative_tokens += counts[speculative]
-        plain_tokens += counts[plain]
+            speculative_first = (repetition + index) % 2 == 0
+            for speculative in (speculative_first, not speculative_first):
+                if speculative:
+                    seconds, last = _timed(device, setup.run, verifier, drafter, index)
+                    speculative_times[repetition] += seconds
+                else:
+                    seconds, plain_count = _timed(device, plain, index)
+                    plain_times[repetition] += seconds
+        runs.append(last)  # every timed call redoes the same work with the same seed: the last stands for all
+        speculative_tokens += int(last.output.stats.generated.sum())
+        plain_tokens += plain_count
     ratios = [(speculative_tokens / max(s, 1e-12)) / (plain_tokens / max(p, 1e-12))
               for p, s in zip(plain_times, speculative_times, strict=True)]
     return WallClockSpeedup(speedup=statistics.median(ratios), speculative_s=statistics.median(speculative_times),
                             plain_s=statistics.median(plain_times), speedup_min=min(ratios), speedup_max=max(ratios),
-                            repeats=repeats, speculative_tokens=speculative_tokens, plain_tokens=plain_tokens)
+                            repeats=repeats, speculative_tokens=speculative_tokens, plain_tokens=plain_tokens,
+                            speculative_runs=tuple(runs))

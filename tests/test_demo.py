@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from specdec import demo, demo_pair
+from specdec.demo_report import comparison_markdown
+from specdec.fairness_report import cost_ratio_line
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_ARTIFACTS = ("report.md", "report.json", "speedup_by_task.png", "fairness_before.png", "fairness_after_scdf.png",
@@ -49,7 +51,8 @@ def test_report_and_plots_are_written_where_asked(first_run):
     assert [row["drafter"] for row in result.comparison] == ["original", "s-CDF"]
     # c was not given: measured once on this machine, and said so everywhere (text, JSON, every report)
     assert result.cost_ratio.source == "measured"
-    assert f"cost ratio c = {result.cost_ratio.value:.3g} (measured)" in text
+    assert f"cost ratio {cost_ratio_line(result.cost_ratio.summary(), short=True)}" in text
+    assert cost_ratio_line(result.cost_ratio.summary()) in text  # with its path, batch, repetitions and spread
     assert "(given)" not in text and "--cost-ratio" not in text
     saved = json.loads((result.output_dir / "report.json").read_text(encoding="utf-8"))
     assert saved["cost_ratio_source"] == "measured" and saved["cost_ratio"] == result.cost_ratio.value
@@ -103,6 +106,43 @@ def test_an_unusable_output_dir_is_refused_before_any_work(tmp_path, monkeypatch
         demo.run_demo(a_file, cache_dir=tmp_path / "cache", quick=True, progress=False, echo=None)
     with pytest.raises(demo.DemoError, match="--output-dir cannot create or write .*a-file.below"):
         demo.run_demo(a_file / "below", cache_dir=tmp_path / "cache", quick=True, progress=False, echo=None)
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    ({"cost_ratio": -1.0}, "cost_ratio must be a finite number >= 0"),
+    ({"cost_ratio": float("nan")}, "cost_ratio must be a finite number >= 0"),
+    ({"cost_ratio": "0.1"}, "cost_ratio must be a float"),
+    ({"cost_ratio": True}, "cost_ratio must be a float"),
+    ({"wall_clock": "yes"}, "wall_clock must be True or False"),
+    ({"finetune_steps": 0}, "finetune_steps must be >= 1"),
+])
+def test_bad_settings_are_refused_before_any_work(tmp_path, monkeypatch, kwargs, needle):
+    def no_work(*args, **kwargs):
+        raise AssertionError("the demo started working before checking its settings")
+
+    monkeypatch.setattr(demo, "get_demo_pair", no_work)
+    with pytest.raises(demo.DemoError, match=needle):
+        demo.run_demo(tmp_path / "report", cache_dir=tmp_path / "cache", quick=True, progress=False, echo=None,
+                      **kwargs)
+
+
+def test_comparison_table_pairs_each_header_with_its_figure():
+    row = {"drafter": "original", "U_ce": 0.125, "U_kl": 0.25, "alpha_mean": 0.5, "alpha_min": 0.375,
+           "worst_task": "reverse", "speedup_predicted_min": 1.125, "speedup_predicted_max": 2.5,
+           "speedup_predicted_max_over_min": 2.25, "speedup_measured_min": 0.75, "speedup_measured_max": 1.75,
+           "tokens_per_call_max_over_min": 1.5}
+    header, _, cells = (line.strip("|").split("|") for line in comparison_markdown([row]).splitlines())
+    table = dict(zip((h.strip() for h in header), (c.strip() for c in cells), strict=True))
+    assert table == {"drafter": "original", "U (CE)": "0.125", "U (KL)": "0.25", "mean α": "0.5", "worst α": "0.375",
+                     "worst task": "reverse", "S predicted min": "1.125", "S predicted max": "2.5",
+                     "S predicted max/min": "2.25", "S measured min": "0.75", "S measured max": "1.75",
+                     "tok/call max/min": "1.5"}
+    # nothing measured on the wall clock: its columns are left out, the others keep their figures
+    unmeasured = {**row, "speedup_measured_min": None, "speedup_measured_max": None}
+    header, _, cells = (line.strip("|").split("|") for line in comparison_markdown([unmeasured]).splitlines())
+    table = dict(zip((h.strip() for h in header), (c.strip() for c in cells), strict=True))
+    assert "S measured min" not in table and "S measured max" not in table
+    assert table["S predicted max/min"] == "2.25" and table["tok/call max/min"] == "1.5"
 
 
 @pytest.mark.parametrize("damage", ["missing_drafter", "truncated_weights", "incomplete_meta"])

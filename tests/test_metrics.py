@@ -29,8 +29,12 @@ def test_speedup_is_increasing_in_alpha_and_divides_by_cost():
         metrics.speedup(1.5, 4, 0.1)
     with pytest.raises(ValueError, match="num_draft_tokens"):
         metrics.expected_tokens_per_call(0.5, 0)
-    with pytest.raises(ValueError, match="cost_ratio"):
+    with pytest.raises(TypeError, match="cost_ratio"):
         metrics.speedup(0.5, 4, True)
+    with pytest.raises(TypeError, match="cost_ratio"):
+        metrics.speedup(0.5, 4, "0.1")
+    with pytest.raises(ValueError, match="cost_ratio"):
+        metrics.speedup(0.5, 4, float("inf"))
     with pytest.raises(ValueError, match="tv must lie"):
         metrics.speedup_lower_bounds(float("nan"), 0.1, 4, 0.1)
     with pytest.raises(ValueError, match="kl must lie"):
