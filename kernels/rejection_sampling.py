@@ -21,12 +21,14 @@ Formula (per row ``b`` and position ``j``)::
     accept_j = q_j(x_j) > 0 and log u_j + log q_j(x_j) <= log p_j(x_j),  u_j = U(seed_b, off_b + j, ACCEPT)
     w(x)     = max(0, p_stop(x) - q_stop(x))   if rejected and sum_x w(x) > RESIDUAL_MASS_EPS (1e-6)
              = p_stop(x)                       otherwise (bonus token, or p == q up to rounding)
-    tile     c* = argmax_c log W_c - log(-log U(seed_b, off_b + stop, TILE_INDEX_BASE + c)),  W_c = sum_{x in c} w(x)
-    next     = argmax_{x in c*} log w(x) - log(-log U(seed_b, off_b + stop, x))
+    tile     c* = argmax_c log W_c - log E(seed_b, off_b + stop, TILE_INDEX_BASE + c),  W_c = sum_{x in c} w(x)
+    next     = argmax_{x in c*} log w(x) - log E(seed_b, off_b + stop, x)
     greedy rows: accept_j = (x_j == argmax_x target[b, j, x]) (lowest id on ties); next = that arg-max at stop.
 
 The two-level race draws ``x`` with probability ``(W_c / W) (w(x) / W_c) = w(x) / W`` without normalising ``w``:
-random numbers per tile for level 1, per id only inside the winning tile. Ties go to the lowest tile and id.
+random numbers per tile for level 1, per id only inside the winning tile. ``E = -log U`` is Exp(1) noise drawn from
+32 random bits with float32 relative precision at both ends (:func:`specdec.kernels.rng.bits_to_exponential`);
+``U`` of the accept test is a 23-bit uniform. Ties go to the lowest tile and id.
 Falling back to ``p`` when the residual mass is at most 1e-6 moves the output law by at most 1e-6 in total
 variation, only at positions whose rejection probability was itself at most 1e-6.
 
@@ -48,6 +50,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from ._device import launching_on
 from .rejection_sampling_kernels import _race_kernel, _stats_kernel
 from .rejection_sampling_plan import LaunchPlan, plan_launch, statistics_launches, vocabulary_chunk
 from .rejection_sampling_reference import RACE_TILE, RESIDUAL_MASS_EPS, TILE_INDEX_BASE
@@ -157,28 +160,29 @@ def rejection_sample_triton(target_logits: torch.Tensor, draft_logits: torch.Ten
     # live skip: an arrival count per (row, position) and a rejection word per row, zeroed
     pair_counter = torch.zeros((pairs + batch,), dtype=torch.int32, device=device) if plan.live_skip else counter
 
-    for index, (pos_lo, pos_count) in enumerate(launches):
-        grid = (splits, batch * pos_count) if plan.live_skip else (batch * pos_count, splits)
-        _stats_kernel[grid](
-            target, draft, tokens_in, counts_arg, mask_arg, stats, argmax, counter, seeds, offsets, inv_t, vocab,
-            num_drafts, chunk, splits, pos_lo, pos_count, int(plan.l2_keep), pair_counter, batch,
-            COMPUTE_SCORES=compute_scores, KP2=kp2, JP2=jp2, SP2=_combine_width(splits), BLOCK=plan.stats_block,
-            ZERO_COUNTERS=index == 0, PDL_TRIGGER=plan.pdl and index == len(launches) - 1, PREFETCH=plan.prefetch,
-            STAGED=index > 0, LIVE_SKIP=plan.live_skip, FTZ=plan.fast_math, FOLD=plan.fold_scale,
-            UNPACK=plan.unpack_bf16, KEEP_EVICT=keep_evict, REST_EVICT=rest_evict, num_warps=plan.stats_warps,
-            **flags,
+    with launching_on(device):  # Triton launches on the current device
+        for index, (pos_lo, pos_count) in enumerate(launches):
+            grid = (splits, batch * pos_count) if plan.live_skip else (batch * pos_count, splits)
+            _stats_kernel[grid](
+                target, draft, tokens_in, counts_arg, mask_arg, stats, argmax, counter, seeds, offsets, inv_t, vocab,
+                num_drafts, chunk, splits, pos_lo, pos_count, int(plan.l2_keep), pair_counter, batch,
+                COMPUTE_SCORES=compute_scores, KP2=kp2, JP2=jp2, SP2=_combine_width(splits), BLOCK=plan.stats_block,
+                ZERO_COUNTERS=index == 0, PDL_TRIGGER=plan.pdl and index == len(launches) - 1, PREFETCH=plan.prefetch,
+                STAGED=index > 0, LIVE_SKIP=plan.live_skip, FTZ=plan.fast_math, FOLD=plan.fold_scale,
+                UNPACK=plan.unpack_bf16, KEEP_EVICT=keep_evict, REST_EVICT=rest_evict, num_warps=plan.stats_warps,
+                **flags,
+            )
+        launch = dict(launch_pdl=True) if plan.pdl else {}
+        _race_kernel[(batch, splits2)](
+            target, draft, tokens_in, counts_arg, mask_arg, seeds, offsets, stats, argmax, race, draft_logprob,
+            alpha_part, counter, tokens, num_accepted, alpha, inv_t, vocab, num_drafts, splits, chunk2, splits2,
+            stat_positions,
+            COMPUTE_SCORES=compute_scores, KP2=kp2, JP2=jp2, SP2=_combine_width(splits), SP2B=_combine_width(splits2),
+            TILES=plan.race_tiles, RACE_TILE=RACE_TILE, TILE_BASE=TILE_INDEX_BASE,
+            SINGLE=chunk2 == plan.race_tiles * RACE_TILE, MASS_EPS=RESIDUAL_MASS_EPS, PDL_WAIT=plan.pdl,
+            FTZ=plan.fast_math, FAST_LOG=plan.fast_math, RACE_EVICT=rest_evict, num_warps=plan.race_warps,
+            **launch, **flags,
         )
-    launch = dict(launch_pdl=True) if plan.pdl else {}
-    _race_kernel[(batch, splits2)](
-        target, draft, tokens_in, counts_arg, mask_arg, seeds, offsets, stats, argmax, race, draft_logprob,
-        alpha_part, counter, tokens, num_accepted, alpha, inv_t, vocab, num_drafts, splits, chunk2, splits2,
-        stat_positions,
-        COMPUTE_SCORES=compute_scores, KP2=kp2, JP2=jp2, SP2=_combine_width(splits), SP2B=_combine_width(splits2),
-        TILES=plan.race_tiles, RACE_TILE=RACE_TILE, TILE_BASE=TILE_INDEX_BASE,
-        SINGLE=chunk2 == plan.race_tiles * RACE_TILE, MASS_EPS=RESIDUAL_MASS_EPS, PDL_WAIT=plan.pdl,
-        FTZ=plan.fast_math, FAST_LOG=plan.fast_math, RACE_EVICT=rest_evict, num_warps=plan.race_warps,
-        **launch, **flags,
-    )
     if not compute_scores:
         return tokens, num_accepted, None, None
     return tokens, num_accepted, draft_logprob, alpha

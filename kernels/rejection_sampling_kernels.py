@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .rng import stream_keys_tl, uniform_from_keys_tl
+from .rng import exponential_from_keys_tl, log_tl, stream_keys_tl, uniform_from_keys_tl
 
 # ---------------------------------------------------------------------------------------------------------------
 # Elementwise helpers
@@ -79,15 +79,7 @@ def _exp(x, FTZ: tl.constexpr):
         return tl.exp(x)
 
 
-@triton.jit
-def _log(x, FAST_LOG: tl.constexpr):
-    """``log(x)`` in fp32 for race scores; FAST_LOG: one ``lg2.approx.f32`` times ln 2 instead of libdevice's
-    ``logf`` (absolute error at most 2.3e-6 for x in [2**-24, 16), against 1.0e-6)."""
-    if FAST_LOG:
-        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
-                                         pack=1) * 0.6931471805599453
-    else:
-        return tl.log(x)
+_log = log_tl  # race scores: log masses and log noise, whose absolute error is what matters
 
 
 @triton.jit
@@ -128,7 +120,7 @@ def _tile_race_update(t, d, lt, delta, tile, rk_a, rk_b, best_r, tile_r, best_p,
 
     Tile masses of the residual ``W_r = sum max(0, p - q)`` and of p, ``log W_p = log sum exp(t)`` up to the row's
     normaliser (from the tile's own maximum: the bonus position has no normaliser), scores
-    ``log W - log(-log u(TILE_BASE + tile))``: one random number per tile. Lane-wise winners by a strict ``>`` (a
+    ``log W - log E(TILE_BASE + tile)``: one random number per tile. Lane-wise winners by a strict ``>`` (a
     lane sees its tiles in increasing order: the lowest tile wins ties; NaN never wins). ``mass`` accumulates ``W_r``
     per lane; ``lt = -inf`` (no rejection at this row) leaves the residual at 0."""
     m_c = tl.max(t, axis=1)
@@ -137,7 +129,7 @@ def _tile_race_update(t, d, lt, delta, tile, rk_a, rk_b, best_r, tile_r, best_p,
     s_e = tl.sum(e, axis=1)
     p = e * tl.where(lt > float("-inf"), tl.exp(safe - lt), 0.0)[:, None]
     w_r = tl.sum(_residual_mass_terms(t, d, p, delta, FTZ), axis=1)
-    noise = _log(-_log(uniform_from_keys_tl(rk_a, rk_b, tile.to(tl.uint32) | TILE_BASE), FAST_LOG), FAST_LOG)
+    noise = _log(exponential_from_keys_tl(rk_a, rk_b, tile.to(tl.uint32) | TILE_BASE, FAST_LOG), FAST_LOG)
     s_r = tl.where(w_r > 0.0, _log(w_r, FAST_LOG), float("-inf")) - noise
     s_p = tl.where(s_e > 0.0, safe + _log(s_e, FAST_LOG), float("-inf")) - noise
     upd_r = s_r > best_r
@@ -158,7 +150,7 @@ def _block_race(t, d, offs, sel, residual, lt, delta, rk_a, rk_b, V, FTZ: tl.con
     """Level 2 over the ids of a loaded block (``t``, ``d``, ``offs`` of any shape; scaled logits) restricted to
     ``sel``: a race on ``log max(0, p - q)`` (``residual``) or on the scaled target logits (``p`` up to its
     normaliser). Returns the lowest id of the best score, or ``V`` when no selected id has a finite score."""
-    noise = _log(-_log(uniform_from_keys_tl(rk_a, rk_b, offs), FAST_LOG), FAST_LOG)
+    noise = _log(exponential_from_keys_tl(rk_a, rk_b, offs, FAST_LOG), FAST_LOG)
     if residual:
         w = _residual_mass_terms(t, d, _exp(t - lt, FTZ), delta, FTZ)
         score = tl.where(w > 0.0, _log(w, FAST_LOG), float("-inf")) - noise

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .rng import ACCEPT_INDEX, stream_keys, uniform_from_keys
+from .rng import ACCEPT_INDEX, exponential_from_keys, stream_keys, uniform_from_keys
 
 RACE_TILE = 256
 """Vocabulary ids per tile of the two-level race (a fixed part of the sampler's definition, not a launch
@@ -65,7 +65,8 @@ def effective_draft_counts(draft_tokens: torch.Tensor, num_draft_tokens: torch.T
 
 def exponential_race(scores: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
                      ids: torch.Tensor | None = None) -> torch.Tensor:
-    """argmax_x scores[b, x] - log(-log u(seed_b, position_b, id_x)), ties to the first column.
+    """argmax_x scores[b, x] - log E(seed_b, position_b, id_x), ties to the first column (``E``: the Exp(1) race
+    noise of :func:`~specdec.kernels.rng.exponential_from_keys`).
 
     scores: [B, N] float32 log-weights (``-inf`` = weight 0); seeds, positions: [B] int64; ids: optional [B, N]
     int64 random-stream indices of the columns (default ``0..N-1``). Returns the winning column [B] int64.
@@ -77,7 +78,7 @@ def exponential_race(scores: torch.Tensor, seeds: torch.Tensor, positions: torch
     if ids is None:
         ids = torch.arange(scores.shape[-1], device=scores.device, dtype=torch.int64)[None, :]
     key_a, key_b = stream_keys(seeds[:, None], positions[:, None])
-    exp_noise = -torch.log(uniform_from_keys(key_a, key_b, ids))
+    exp_noise = exponential_from_keys(key_a, key_b, ids)
     race = scores - torch.log(exp_noise)
     return torch.argmax(torch.where(torch.isnan(race), float("-inf"), race), dim=-1)
 
@@ -90,8 +91,8 @@ def tiled_exponential_race(weights: torch.Tensor, scores: torch.Tensor, seeds: t
     the weight is 0); seeds, positions: [B] int64. Returns [B] int64 ids.
 
     Level 1 races the tiles ``c`` of :data:`RACE_TILE` consecutive ids on their masses ``W_c = sum_{x in c} w(x)``:
-    ``c* = argmax_c log W_c - log(-log u(seed, position, TILE_INDEX_BASE + c))``. Level 2 races the ids of tile
-    ``c*`` on their scores: ``argmax_{x in c*} scores[x] - log(-log u(seed, position, x))``. Ties go to the lowest
+    ``c* = argmax_c log W_c - log E(seed, position, TILE_INDEX_BASE + c)``. Level 2 races the ids of tile
+    ``c*`` on their scores: ``argmax_{x in c*} scores[x] - log E(seed, position, x)``. Ties go to the lowest
     tile and the lowest id. P(x) = (W_c / W) (w(x) / W_c) = w(x) / W: the same law as one race over all ids, but a
     kernel needs per-element random numbers (two hashes and two logarithms) only inside the winning tile; every
     other element costs a sum. An all-zero row returns id 0 (the kernel reports such rows as ``-1``).

@@ -1,15 +1,20 @@
-"""The counter-based random stream: Triton reproduces torch bit for bit; uniforms are uniform and in (0, 1)."""
+"""The counter-based random stream: Triton reproduces torch bit for bit; uniforms are uniform and in (0, 1); the race
+noise is Exp(1) with float32 relative precision over all 32-bit patterns."""
 
 import math
 
+import pytest
 import torch
 import triton
 import triton.language as tl
 
 from specdec.kernels.rng import (
     ACCEPT_INDEX,
+    bits_to_exponential,
+    bits_to_exponential_tl,
     bits_to_uniform,
     bits_to_uniform_tl,
+    exponential_from_keys,
     hash32,
     stream_keys,
     stream_keys_tl,
@@ -117,3 +122,53 @@ def test_extreme_bits_map_strictly_inside_the_unit_interval_in_torch_and_triton(
     out = torch.empty(len(bits), dtype=torch.float32, device=DEVICE)
     _bits_kernel[(1,)](bits.to(DEVICE), out, len(bits), BLOCK=16)
     assert torch.equal(out.cpu(), values)
+
+
+@triton.jit
+def _exponential_kernel(bits_ptr, out_ptr, n, FAST_LOG: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    bits = tl.load(bits_ptr + offs, mask=offs < n, other=0).to(tl.uint32)
+    tl.store(out_ptr + offs, bits_to_exponential_tl(bits, FAST_LOG), mask=offs < n)
+
+
+def _exact_exponential(bits: torch.Tensor) -> torch.Tensor:
+    """float64 ``-log u`` for ``u = (bits + 0.5) 2**-32``, through log1p near u = 1."""
+    u = (bits.double() + 0.5) * 2.0**-32
+    return torch.where(u <= 0.5, -torch.log(u), -torch.log1p(-((2.0**32 - 1 - bits.double()) + 0.5) * 2.0**-32))
+
+
+EXTREME_BITS = [0, 1, 2, 511, 2**24, 2**31 - 1, 2**31, 2**31 + 1, 2**32 - 2**24, 2**32 - 513, 2**32 - 512,
+                2**32 - 3, 2**32 - 2, 2**32 - 1]
+
+
+@pytest.mark.parametrize("fast_log", [False, pytest.param(True, marks=pytest.mark.skipif(
+    DEVICE != "cuda", reason="FAST_LOG is inline PTX (lg2.approx), which only a CUDA GPU runs"))])
+def test_race_noise_has_float32_relative_precision_at_both_ends(fast_log):
+    # the largest uniforms give the smallest noise: -log u of a 23-bit uniform stops at 2**-24 (and a fast log of it
+    # is off by 86%); every one of the 2**32 bit patterns must give -log u to float32 relative precision
+    gen = torch.Generator().manual_seed(3)
+    bits = torch.cat([torch.tensor(EXTREME_BITS, dtype=torch.int64),
+                      torch.randint(0, 2**32, (20000,), generator=gen, dtype=torch.int64)])
+    exact = _exact_exponential(bits)
+    values = bits_to_exponential(bits)
+    assert float(((values.double() - exact).abs() / exact).max()) < 4e-7
+    assert float(values[len(EXTREME_BITS) - 1]) < 2.0**-32  # the largest uniform: E = 2**-33 (1 + 2**-33)
+    top = values[len(EXTREME_BITS) - 5:len(EXTREME_BITS)]  # the five largest uniforms, 2**32 - 513 ... 2**32 - 1
+    assert len(set(top.tolist())) == 5  # neighbours at the top differ (one 23-bit uniform holds all five)
+    out = torch.empty(len(bits), dtype=torch.float32, device=DEVICE)
+    _exponential_kernel[(1,)](bits.to(DEVICE), out, len(bits), FAST_LOG=fast_log,
+                              BLOCK=triton.next_power_of_2(len(bits)))
+    bound = 3.5e-6 if fast_log else 4e-7
+    assert float(((out.cpu().double() - exact).abs() / exact).max()) < bound
+    if not fast_log:  # the same float32 operations in both backends, up to a fused multiply-add
+        assert torch.allclose(out.cpu(), values, rtol=2.5e-7, atol=0.0)
+
+
+def test_race_noise_is_exponential():
+    # Exp(1): P(E > t) = exp(-t); 64 equal-probability bins, and the far tails a 23-bit uniform cannot reach
+    seeds = torch.arange(64, dtype=torch.int64)
+    key_a, key_b = stream_keys(seeds[:, None], torch.zeros(64, 1, dtype=torch.int64))
+    noise = exponential_from_keys(key_a, key_b, torch.arange(2**14)[None, :]).flatten().double()
+    bins = torch.clamp((torch.exp(-noise) * 64).floor().long(), max=63)
+    assert_follows(torch.bincount(bins, minlength=64), torch.full((64,), 1 / 64), what="noise quantile histogram")
+    assert float(noise.min()) > 0.0 and bool(torch.isfinite(noise).all())
