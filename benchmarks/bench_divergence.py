@@ -27,6 +27,7 @@ shape and provider.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import math
 import os
@@ -39,7 +40,15 @@ import torch
 import torch.nn.functional as nnf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ENV_FIELDS, RESULTS, environment, measure_copy_bandwidth, specdec_version, upsert_rows  # noqa: E402
+from common import (  # noqa: E402
+    ENV_FIELDS,
+    RESULTS,
+    environment,
+    measure_copy_bandwidth,
+    specdec_version,
+    time_do_bench,
+    upsert_rows,
+)
 
 import specdec.divergences as sd  # noqa: E402
 from specdec.kernels import divergence as kdiv  # noqa: E402
@@ -53,6 +62,10 @@ FIELDS = [*ENV_FIELDS, "op", "N", "V", "H", "provider", "median_ms", "p20_ms", "
           "read_GBps", "copy_GBps"]
 KEY = ["gpu", "dtype", "op", "N", "V", "H", "provider"]
 DTYPE = torch.bfloat16
+# the providers :func:`cases` builds for each op (specdec_row only where the automatic plan takes the cluster
+# kernels; compile and liger only where available)
+OP_PROVIDERS = {"forward": ("specdec", "specdec_row", "eager", "compile", "liger"),
+                "loss": ("specdec", "specdec_checked", "specdec_row", "eager", "compile", "liger")}
 
 
 def eager_forward(v: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -95,13 +108,12 @@ def peak_extra_gib(fn: Callable[[], object]) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
-def do_bench_ms(fn: Callable[[], object], rep: int) -> tuple[float, float, float]:
-    """(median, p20, p80) milliseconds per call by ``triton.testing.do_bench`` after one warm-up call."""
-    from triton.testing import do_bench
-
-    fn()
-    torch.cuda.synchronize()
-    return tuple(do_bench(fn, warmup=10, rep=rep, quantiles=[0.5, 0.2, 0.8]))
+def backward_call(drop_grads: Callable[[], None], loss_fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    """A call that drops the previous call's gradients, then runs ``loss_fn`` forward and backward."""
+    def run():
+        drop_grads()
+        loss_fn().backward()
+    return run
 
 
 def cases(n: int, v: int, liger, compiled_forward, compiled_loss) -> tuple[list, Callable[[], None]]:
@@ -117,12 +129,7 @@ def cases(n: int, v: int, liger, compiled_forward, compiled_loss) -> tuple[list,
     def drop_grad() -> None:
         d_req.grad = None
 
-    def loss_call(loss_fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
-        def run():
-            drop_grad()
-            loss_fn().backward()
-        return run
-
+    loss_call = functools.partial(backward_call, drop_grad)
     out = [("forward", "specdec", lambda: sd.divergence(ver, dra, check_inputs=False))]
     if auto.cluster:
         row = replace(auto, cluster=False)
@@ -160,12 +167,7 @@ def fused_cases(n: int, v: int, h: int, liger) -> tuple[list, Callable[[], None]
     def drop_grads() -> None:
         hidden.grad = weight.grad = None
 
-    def call(loss_fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
-        def run():
-            drop_grads()
-            loss_fn().backward()
-        return run
-
+    call = functools.partial(backward_call, drop_grads)
     out = [("fused_linear", "specdec", call(lambda: sd.fused_linear_divergence_loss(
         hidden, weight, ver, reduction="mean", check_inputs=False))),
         ("fused_linear", "eager", call(lambda: eager_loss(hidden @ weight.t(), ver)))]
@@ -178,7 +180,7 @@ def fused_cases(n: int, v: int, h: int, liger) -> tuple[list, Callable[[], None]
 def row(env: dict, versions: dict, op: str, provider: str, n: int, v: int, h: int | None,
         timing: tuple[float, float, float], how: str, mem: float, copy_gbps: float) -> dict:
     med, p20, p80 = timing
-    read = 2 * n * v * torch.tensor([], dtype=DTYPE).element_size() / (med * 1e-3) / 1e9
+    read = 2 * n * v * DTYPE.itemsize / (med * 1e-3) / 1e9
     return dict(**env, provider_version=versions[provider], dtype="bf16", op=op, N=n, V=v,
                 H="" if h is None else h, provider=provider, median_ms=f"{med:.4f}", p20_ms=f"{p20:.4f}",
                 p80_ms=f"{p80:.4f}", timing=how, peak_mem_GiB=f"{mem:.3f}",
@@ -224,7 +226,7 @@ def main() -> None:
             try:
                 drop_grads()
                 mem = peak_extra_gib(fn)
-                timing = do_bench_ms(fn, rep)
+                timing = time_do_bench([fn], warmup=10, rep=rep, unit="ms")
             except torch.OutOfMemoryError:
                 timing, mem = (math.nan,) * 3, math.nan
             rows.append(row(env, versions, op, provider, n, v, h, timing, "do_bench", mem, copy_gbps))

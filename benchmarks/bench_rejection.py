@@ -37,6 +37,7 @@ from common import (  # noqa: E402
     ENV_FIELDS,
     RESULTS,
     environment,
+    l2_cache_bytes,
     measure_copy_bandwidth,
     specdec_version,
     time_do_bench,
@@ -78,7 +79,7 @@ def bytes_read(num_accepted: torch.Tensor, batch: int, num_drafts: int, vocab: i
     """Bytes the automatic plan reads on these inputs (sampled rows, all drafts real), and whether that is a lower
     bound (live skip). A row reads a later statistics launch's positions only if it reaches them (ignoring
     near-ties); then the race's target row at the stop position (and the draft row after a rejection)."""
-    esize = torch.tensor([], dtype=dtype).element_size()
+    esize = dtype.itemsize
     plan = plan_launch(batch, num_drafts, vocab, dtype, torch.device("cuda"))
     acc = num_accepted.double()
     rejected = (acc < num_drafts).double()
@@ -115,7 +116,7 @@ class Shape:
     def __init__(self, batch: int, num_drafts: int, vocab: int, dtype_name: str, l2_bytes: int):
         self.batch, self.num_drafts, self.vocab, self.dtype_name = batch, num_drafts, vocab, dtype_name
         self.dtype = DTYPES[dtype_name]
-        set_bytes = logit_bytes(batch, num_drafts, vocab, torch.tensor([], dtype=self.dtype).element_size())
+        set_bytes = logit_bytes(batch, num_drafts, vocab, self.dtype.itemsize)
         self.logit_bytes = set_bytes
         self.sets = [make_inputs(batch, num_drafts, vocab, self.dtype, seed=s)
                      for s in range(max(1, min(16, math.ceil(2 * l2_bytes / set_bytes))))]
@@ -155,16 +156,22 @@ class Shape:
                 raise ValueError(f"unknown provider {provider!r}")
         return out
 
+    def specdec_result(self) -> tuple[tuple, bool]:
+        """specdec's outputs on the first input set, and whether its tokens and accepted counts are the
+        reference's."""
+        s0 = self.sets[0]
+        out = rejection_sample_triton(s0["target"], s0["draft"], s0["drafts"], s0["seeds"], s0["offsets"],
+                                      TEMPERATURE)
+        return out, bool(torch.equal(out[0], self.ref[0]) and torch.equal(out[1], self.ref[1]))
+
     def row(self, provider: str, version: str, timing: tuple[float, float, float], how: str, env: dict,
             copy_gbps: float, note: str = "") -> dict:
         """The result row of ``provider`` (for specdec: exactness against the reference and the bytes read)."""
         med, p20, p80 = timing
         match, read = "", float("nan")
         if provider == "specdec":
-            s0 = self.sets[0]
-            out = rejection_sample_triton(s0["target"], s0["draft"], s0["drafts"], s0["seeds"], s0["offsets"],
-                                          TEMPERATURE)
-            match = str(bool(torch.equal(out[0], self.ref[0]) and torch.equal(out[1], self.ref[1])))
+            out, matches = self.specdec_result()
+            match = str(matches)
             nbytes, bound = bytes_read(out[1], self.batch, self.num_drafts, self.vocab, self.dtype)
             read = nbytes / med / 1e3
             note = (note + " " + LOWER_BOUND_NOTE).strip() if bound else note
@@ -202,7 +209,7 @@ def main() -> None:
     providers = args.providers.split(",")
     env = environment()
     copy_gbps = measure_copy_bandwidth()
-    l2_bytes = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
+    l2_bytes = l2_cache_bytes()
     print(f"# {env}  copy {copy_gbps:.0f} GB/s  L2 {l2_bytes >> 20} MiB", flush=True)
     flashinfer, fi_version = setup_flashinfer() if any(p.startswith("flashinfer") for p in providers) else (None, "")
     versions = provider_versions(fi_version)

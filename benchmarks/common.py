@@ -82,32 +82,36 @@ def time_graph(fns: list[Callable[[], object]], replays: int = 15) -> tuple[floa
     return quantiles(samples)
 
 
-def time_do_bench(fns: list[Callable[[], object]]) -> tuple[float, float, float]:
-    """(median, p20, p80) microseconds per call by ``triton.testing.do_bench`` (host launch overhead included),
-    for providers that cannot be captured in a CUDA graph."""
+def time_do_bench(fns: list[Callable[[], object]], *, warmup: int = 25, rep: int = 100,
+                  unit: str = "us") -> tuple[float, float, float]:
+    """(median, p20, p80) per call of ``fns`` (taken in rotation) by ``triton.testing.do_bench``, host launch
+    overhead included, in ``unit`` ("us" or "ms"), after one warm-up call of each; for providers that cannot be
+    captured in a CUDA graph, and for the divergence benchmark (``warmup`` and ``rep``: do_bench's, ms)."""
     import triton
 
+    scale = {"us": 1e3, "ms": 1.0}[unit]
+    for fn in fns:  # compilation and allocator growth before do_bench sizes its repetitions
+        fn()
+    torch.cuda.synchronize()
     state = {"i": 0}
 
     def call():
         fns[state["i"] % len(fns)]()
         state["i"] += 1
 
-    med, p20, p80 = triton.testing.do_bench(call, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
-    return med * 1e3, p20 * 1e3, p80 * 1e3
+    med, p20, p80 = triton.testing.do_bench(call, warmup=warmup, rep=rep, quantiles=[0.5, 0.2, 0.8])
+    return med * scale, p20 * scale, p80 * scale
 
 
 def quantiles(samples: Iterable[float]) -> tuple[float, float, float]:
-    """(median, p20, p80) of ``samples``, linearly interpolated."""
-    values = sorted(samples)
+    """(median, p20, p80) of ``samples`` (at least two), linearly interpolated between the sorted values."""
+    deciles = statistics.quantiles(samples, n=10, method="inclusive")
+    return deciles[4], deciles[1], deciles[7]
 
-    def at(q: float) -> float:
-        pos = q * (len(values) - 1)
-        lo = int(pos)
-        hi = min(lo + 1, len(values) - 1)
-        return values[lo] + (values[hi] - values[lo]) * (pos - lo)
 
-    return at(0.5), at(0.2), at(0.8)
+def l2_cache_bytes(device: int = 0) -> int:
+    """L2 cache size of a CUDA device in bytes (50 MiB where torch does not report it)."""
+    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
 
 
 def specdec_version() -> str:

@@ -14,18 +14,9 @@ INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter 
 
 
 @functools.cache
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-@functools.cache
-def _cuda_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
-
-
-@functools.cache
-def _cuda_major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
+def _cuda_properties(index: int):
+    """``torch.cuda.get_device_properties`` of device ``index``, read once per process."""
+    return torch.cuda.get_device_properties(index)
 
 
 def _index(device: torch.device) -> int:
@@ -34,17 +25,17 @@ def _index(device: torch.device) -> int:
 
 def sm_count(device: torch.device) -> int:
     """Multiprocessors of a CUDA device; ``CPU_PROGRAMS`` elsewhere."""
-    return _cuda_sm_count(_index(device)) if device.type == "cuda" else CPU_PROGRAMS
+    return _cuda_properties(_index(device)).multi_processor_count if device.type == "cuda" else CPU_PROGRAMS
 
 
 def device_name(device: torch.device) -> str:
     """``torch.cuda.get_device_name`` of a CUDA device; ``""`` elsewhere."""
-    return _cuda_name(_index(device)) if device.type == "cuda" else ""
+    return _cuda_properties(_index(device)).name if device.type == "cuda" else ""
 
 
 def major_capability(device: torch.device) -> int:
     """Major compute capability of a CUDA device (9 on Hopper); 0 elsewhere."""
-    return _cuda_major(_index(device)) if device.type == "cuda" else 0
+    return _cuda_properties(_index(device)).major if device.type == "cuda" else 0
 
 
 def launching_on(device: torch.device) -> contextlib.AbstractContextManager:

@@ -301,6 +301,22 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _side_inputs(mask: torch.Tensor | None, task_ids: torch.Tensor | None, weights: torch.Tensor | None,
+                 grad_count: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """The side inputs as every kernel reads them, once per call: [N] with unit stride, the mask as uint8 (nonzero =
+    row counted), task ids as int64, weights and the [1] count as float32 (the cluster kernels are compiled once per
+    set of flags, so for these dtypes only)."""
+    if mask is not None:
+        mask = (mask if mask.dtype in (torch.bool, torch.uint8) else mask != 0).to(torch.uint8).contiguous()
+    if task_ids is not None:
+        task_ids = task_ids.to(torch.int64).contiguous()
+    if weights is not None:
+        weights = weights.to(torch.float32).contiguous()
+    if grad_count is not None:
+        grad_count = grad_count.to(torch.float32).reshape(1)
+    return mask, task_ids, weights, grad_count
+
+
 def launch_divergence(
     verifier_logits: torch.Tensor,
     drafter_logits: torch.Tensor,
@@ -330,7 +346,9 @@ def launch_divergence(
         Also KL, TV and alpha (pass 2 over the row); False computes H(p, q) only.
     grad_out : torch.Tensor, optional
         ``[N, V]``, may be ``drafter_logits`` itself: receives ``weights[n] * grad_scale * (q - p) / T`` in its own
-        dtype, divided by ``max(grad_count, 1)`` when given (``[1]`` float32 on the device).
+        dtype, divided by ``max(grad_count, 1)`` when given (``[1]`` float32 on the device). ``weights``: ``[N]``
+        float, optional. The side inputs ``mask``, ``task_ids``, ``weights`` and ``grad_count`` are converted here,
+        once, to what every kernel reads: contiguous uint8, int64, float32 and float32.
     plan : DivergencePlan, optional
         Default :func:`divergence_plan` of the call.
 
@@ -350,10 +368,7 @@ def _launch_divergence(verifier_logits, drafter_logits, temperature, mask, task_
     """``launch_divergence`` with its device current."""
     verifier_logits = _row_major(verifier_logits)
     drafter_logits = _row_major(drafter_logits)
-    # the kernel indexes [N] side inputs with unit stride, and reads the mask as uint8
-    if mask is not None and mask.dtype == torch.bool:
-        mask = mask.to(torch.uint8)
-    mask, task_ids, weights = (t.contiguous() if t is not None else None for t in (mask, task_ids, weights))
+    mask, task_ids, weights, grad_count = _side_inputs(mask, task_ids, weights, grad_count)
     n_rows, vocab = verifier_logits.shape
     device = verifier_logits.device
     write_grad = grad_out is not None
@@ -482,11 +497,9 @@ class DivergenceLossFunction(torch.autograd.Function):
         grad_dtype = torch.float32 if drafter_logits.dtype == torch.float16 else drafter_logits.dtype
         grad = torch.empty(drafter_logits.shape, dtype=grad_dtype, device=drafter_logits.device) if needs_grad else None
         ctx.input_dtype = drafter_logits.dtype
-        mask_u8 = mask.to(torch.uint8) if mask is not None else None
-        w32 = weights.to(torch.float32).contiguous() if weights is not None else None
-        ce, _, _, _, status, _ = launch_divergence(verifier_logits, drafter_logits, temperature, mask=mask_u8,
-                                                   compute_tv=False, grad_out=grad, weights=w32, grad_scale=scale,
-                                                   grad_count=count, plan=plan)
+        ce, _, _, _, status, _ = launch_divergence(verifier_logits, drafter_logits, temperature, mask=mask,
+                                                   compute_tv=False, grad_out=grad, weights=weights,
+                                                   grad_scale=scale, grad_count=count, plan=plan)
         if check_inputs:
             raise_on_bad_status(status)
         ctx.save_for_backward(grad)

@@ -124,8 +124,10 @@ def launch_cluster_loss(verifier_logits: torch.Tensor, drafter_logits: torch.Ten
                         grad_count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(ce, status)`` ([N] float32 H(p, q), [N] int32 status as in :mod:`.divergence`) with ``grad_out``
     ([N, V]) filled with ``weights[n] * grad_scale * (q - p) / T`` (divided by ``max(grad_count, 1)`` when given);
-    masked rows (``mask`` [N], nonzero = kept) get 0 everywhere. Call only where ``cluster_eligible``; returns None
-    (after a warning, for the rest of the process) if the kernel cannot be built or launched as a cluster."""
+    masked rows (``mask`` [N], nonzero = kept) get 0 everywhere. The side inputs come as
+    :func:`.divergence.launch_divergence` prepares them (one compiled kernel per key): contiguous uint8 ``mask``,
+    float32 ``weights`` and [1] ``grad_count``. Call only where ``cluster_eligible``; returns None (after a warning,
+    for the rest of the process) if the kernel cannot be built or launched as a cluster."""
     n_rows, vocab = verifier_logits.shape
     device = verifier_logits.device
     c, chunk_cols, nt, n_full = cluster_layout(vocab, verifier_logits.element_size())
@@ -133,10 +135,6 @@ def launch_cluster_loss(verifier_logits: torch.Tensor, drafter_logits: torch.Ten
     status = torch.empty(n_rows, dtype=torch.int32, device=device)
     if n_rows == 0:
         return ce, status
-    # one compiled kernel per key: the side inputs always reach it as uint8 / float32 / float32
-    mask = _as_uint8(mask)
-    weights = weights.to(torch.float32).contiguous() if weights is not None else None
-    grad_count = grad_count.to(torch.float32).reshape(1) if grad_count is not None else None
     constexprs = dict(HAS_MASK=mask is not None, HAS_WEIGHTS=weights is not None, HAS_COUNT=grad_count is not None,
                       C=c, NT=nt, N_FULL=n_full, K=LANE_COLUMNS, WARPS=NUM_WARPS)
     key = ("loss", device.index, verifier_logits.dtype, grad_out.dtype, *constexprs.values())
@@ -157,9 +155,10 @@ def launch_cluster_forward(verifier_logits: torch.Tensor, drafter_logits: torch.
                            num_tasks: int | None = None) -> tuple | None:
     """``(ce, kl, tv, alpha, status, per_task)`` as :func:`.divergence.launch_divergence` returns them
     ([N] float32 / int32; ``per_task`` 4 float64 sums and an int64 count over ``task_ids`` [N] in ``[0, num_tasks)``,
-    negative ids left out, or None); masked rows (``mask`` [N], nonzero = kept) get 0. Call only where
-    ``cluster_eligible``; returns None (after a warning, for the rest of the process) if the kernel cannot be built
-    or launched as a cluster."""
+    negative ids left out, or None); masked rows (``mask`` [N], nonzero = kept) get 0. The side inputs come as
+    :func:`.divergence.launch_divergence` prepares them: contiguous uint8 ``mask`` and int64 ``task_ids``. Call only
+    where ``cluster_eligible``; returns None (after a warning, for the rest of the process) if the kernel cannot be
+    built or launched as a cluster."""
     n_rows, vocab = verifier_logits.shape
     device = verifier_logits.device
     c, chunk_cols, nt, n_full = cluster_layout(vocab, verifier_logits.element_size())
@@ -172,8 +171,6 @@ def launch_cluster_forward(verifier_logits: torch.Tensor, drafter_logits: torch.
     per_task = (*sums, count) if has_tasks else None
     if n_rows == 0:
         return ce, kl, tv, alpha, status, per_task
-    mask = _as_uint8(mask)
-    task_ids = task_ids.to(torch.int64).contiguous() if has_tasks else None
     constexprs = dict(HAS_MASK=mask is not None, HAS_TASKS=has_tasks, C=c, NT=nt, N_FULL=n_full, K=LANE_COLUMNS,
                       WARPS=NUM_WARPS)
     key = ("forward", device.index, verifier_logits.dtype, *constexprs.values())
@@ -187,13 +184,6 @@ def launch_cluster_forward(verifier_logits: torch.Tensor, drafter_logits: torch.
     if not _launch(_cluster_forward_kernel, key, arguments, constexprs, c, nt, n_rows, device):
         return None
     return ce, kl, tv, alpha, status, per_task
-
-
-def _as_uint8(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """A row mask as contiguous uint8 (nonzero = kept), the one dtype the compiled kernels take."""
-    if mask is None:
-        return None
-    return (mask if mask.dtype == torch.uint8 else mask != 0).to(torch.uint8).contiguous()
 
 
 __all__ = ["cluster_eligible", "cluster_supported", "launch_cluster_forward", "launch_cluster_loss"]

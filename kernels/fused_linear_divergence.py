@@ -58,8 +58,6 @@ class FusedLinearDivergenceFunction(torch.autograd.Function):
         chunk = chunk_size or max(1, DEFAULT_CHUNK_ELEMENTS // vocab)
         grad_hidden = torch.empty_like(hidden) if need_h else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        mask_u8 = mask.to(torch.uint8) if mask is not None else None
-        w32 = weights.to(torch.float32).contiguous() if weights is not None else None
         verifier_logits = verifier_logits.contiguous()
         ce = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
         status = torch.zeros(n_rows, dtype=torch.int32, device=hidden.device)
@@ -69,9 +67,10 @@ class FusedLinearDivergenceFunction(torch.autograd.Function):
             logits_c = h_c @ weight.t()
             ce[start:end], _, _, _, status[start:end], _ = launch_divergence(
                 verifier_logits[start:end], logits_c, temperature,
-                mask=mask_u8[start:end] if mask_u8 is not None else None, compute_tv=False,
+                mask=mask[start:end] if mask is not None else None, compute_tv=False,
                 grad_out=logits_c if need_grad else None,
-                weights=w32[start:end] if w32 is not None else None, grad_scale=scale, grad_count=count, plan=plan)
+                weights=weights[start:end] if weights is not None else None, grad_scale=scale, grad_count=count,
+                plan=plan)
             if need_h:
                 torch.mm(logits_c, weight, out=grad_hidden[start:end])
             if need_w:

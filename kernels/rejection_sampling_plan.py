@@ -18,10 +18,10 @@ import torch
 import triton
 
 from ._device import DeviceFacts, device_facts
+from .rejection_sampling_reference import RACE_TILE
 
 __all__ = ["LaunchPlan", "grid_splits", "logit_bytes", "plan_launch", "statistics_launches", "vocabulary_chunk"]
 
-RACE_TILE_IDS = 256  # ids per race tile (RACE_TILE of the reference: part of the sampler's definition)
 MAX_SPLITS = 256  # vocabulary chunks per row at most (the combine tiles are that wide)
 FP32_SMALL_VOCAB = 65536  # fp32 logits up to this V are latency-bound: several rules single them out
 FP32_ONE_WARP_RACE_BATCH = 32  # fp32 logits from this B race with one warp per program
@@ -235,7 +235,7 @@ def _plan(batch: int, num_drafts: int, vocab: int, esize: int, facts: DeviceFact
         pdl=gpu and batch <= 8 and facts.major >= 9,  # small batches are latency-bound; PDL needs sm_90+
         race_tiles=race_tiles,
         race_warps=race_warps,
-        race_splits=grid_splits(vocab, race_tiles * RACE_TILE_IDS, batch, race_programs * sms, max_splits),
+        race_splits=grid_splits(vocab, race_tiles * RACE_TILE, batch, race_programs * sms, max_splits),
     )
     return plan.restricted(batch=batch, num_drafts=num_drafts, greedy_rows=greedy_rows, scores=scores)
 

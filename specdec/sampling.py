@@ -93,7 +93,7 @@ def rejection_sample(
         )
     if not 1 <= vocab < 2**30:
         raise ValueError(f"target_logits must have a vocabulary dimension V in [1, 2**30), got V={vocab}")
-    if draft_logits.shape[1] == num_positions and tuple(draft_logits.shape) == (batch, num_positions, vocab):
+    if tuple(draft_logits.shape) == (batch, num_positions, vocab):
         raise ValueError(
             f"target_logits must have K+1 positions ([B, K+1, V]: the K draft positions and the bonus position), but "
             f"it has {num_positions}, as many as draft_logits {tuple(draft_logits.shape)}: add the verifier's logits "
@@ -117,15 +117,17 @@ def rejection_sample(
         offsets=offsets, num_draft_tokens=num_draft_tokens, greedy_mask=greedy_mask,
     )
     draft_tokens = draft_tokens.to(torch.int64)
-    if draft_tokens.numel() and (int(draft_tokens.min()) < -1 or int(draft_tokens.max()) >= vocab):
-        raise ValueError(f"draft_tokens must lie in [0, V={vocab}) (or -1 for no draft)")
     for name, tensor in (("seeds", seeds), ("offsets", offsets), ("num_draft_tokens", num_draft_tokens)):
         if tensor is not None:
             check_tensor(tensor, name, 1, integer_dtype=True, shape_doc="[B]")
             if tensor.shape[0] != batch:
                 raise ValueError(f"{name} must have shape [B] = [{batch}], got {tuple(tensor.shape)}")
-    if num_draft_tokens is not None and num_draft_tokens.numel() and (
-            int(num_draft_tokens.min()) < 0 or int(num_draft_tokens.max()) > num_drafts):
+    # the ranges of draft_tokens and num_draft_tokens, read with one host sync
+    ranged = [t for t in (draft_tokens, num_draft_tokens) if t is not None and t.numel()]
+    bounds = torch.stack([b.to(torch.int64) for t in ranged for b in torch.aminmax(t)]).tolist() if ranged else []
+    if draft_tokens.numel() and (bounds[0] < -1 or bounds[1] >= vocab):
+        raise ValueError(f"draft_tokens must lie in [0, V={vocab}) (or -1 for no draft)")
+    if num_draft_tokens is not None and num_draft_tokens.numel() and (bounds[-2] < 0 or bounds[-1] > num_drafts):
         raise ValueError(f"num_draft_tokens must lie in [0, K={num_drafts}]")
     if greedy_mask is not None:
         check_tensor(greedy_mask, "greedy_mask", 1, shape_doc="[B]")

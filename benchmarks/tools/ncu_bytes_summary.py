@@ -17,6 +17,8 @@ import os
 import statistics
 import sys
 
+from specdec.kernels.rejection_sampling_plan import logit_bytes
+
 CALLS = 3  # ncu_one_call.py --calls in ncu_bytes_read.sh
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results", "rejection.csv")
 
@@ -62,7 +64,7 @@ def main() -> int:
         totals, names = bytes_per_call(path)
         read = statistics.mean(totals)
         esize = 2 if dtype in ("bf16", "fp16") else 4
-        logits = int(batch) * (2 * int(drafts) + 1) * int(vocab) * esize
+        logits = logit_bytes(int(batch), int(drafts), int(vocab), esize)
         line = (f"V={vocab} B={batch} K={drafts} {dtype} {plan}: {read / 1e6:.1f} MB read per call "
                 f"({read / logits:.3f} of the logits; {'+'.join(names)})")
         row = timed.get((vocab, batch, drafts, dtype))
