@@ -15,14 +15,5 @@ def source_checkout() -> Path | None:
     return None
 
 
-def is_inside(path: Path, folder: Path) -> bool:
-    """``path`` is ``folder`` or below it (both resolved by the caller)."""
-    try:
-        path.relative_to(folder)
-    except ValueError:
-        return False
-    return True
-
-
 BUILTIN_DATA_DIR = PACKAGE_DIR / "datasets"
 """The evaluation data shipped inside the package (one folder per data set, each with its license)."""

@@ -86,27 +86,30 @@ def eos_id_list(eos_token_id: int | Sequence[int] | torch.Tensor | None, vocab: 
     return ids
 
 
+_BOUNDS = {2**63: "2**63", 2**64: "2**64"}  # upper bounds written as powers in messages
+
+
 def check_int_range(value: object, name: str, low: int, high: int, *, allow_none: bool = False,
                     note: str = "") -> int | None:
-    """``value`` if it is an int (not a bool) in ``[low, high)``, else ValueError naming ``name`` and the range."""
+    """``value`` as a Python int if it is an integer (Python, numpy, a one-element integer tensor; not a bool) in
+    ``[low, high)``, else ValueError naming ``name`` and the range (``high = 2**63``: no upper bound in practice,
+    the message names the lower bound only)."""
     if value is None and allow_none:
         return None
     number = as_int(value)
     if number is None or not low <= number < high:
-        bound = "2**64" if high == 2**64 else str(high)
-        raise ValueError(f"{name} must be {'None or ' if allow_none else ''}an int in [{low}, {bound}){note}, "
-                         f"got {value!r}")
+        if high == 2**63 and (number is None or number < low):
+            expected = f"an integer >= {low}"
+        else:
+            expected = f"an int in [{low}, {_BOUNDS.get(high, str(high))})"
+        raise ValueError(f"{name} must be {'None or ' if allow_none else ''}{expected}{note}, got {value!r}")
     return number
 
 
 def check_int_at_least(value: object, name: str, minimum: int, *, allow_none: bool = False) -> int | None:
-    """``value`` if it is a Python int (not a bool) >= ``minimum`` (or None when allowed), else ValueError naming
-    ``name``."""
-    if allow_none and value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}{' or None' if allow_none else ''}, got {value!r}")
-    return value
+    """``value`` as a Python int if it is an integer >= ``minimum`` (see :func:`check_int_range`; or None when
+    allowed), else ValueError naming ``name``."""
+    return check_int_range(value, name, minimum, 2**63, allow_none=allow_none)
 
 
 def check_number(value: object, name: str, minimum: float, *, strict: bool = False) -> float:

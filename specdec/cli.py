@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import warnings
 from collections.abc import Sequence
@@ -29,8 +30,6 @@ from specdec.cli_loading import (
 
 PROGRAM = "specdec"
 DEFAULT_MAX_LENGTH = 512  # tokens per reference text in evaluate, unless the models have fewer positions
-
-
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -198,11 +197,6 @@ def _subcommand(commands: Any, name: str, handler: Any, *, help: str, descriptio
     return parser
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Loading models offline
-# ----------------------------------------------------------------------------------------------------------------------
-
-
 def command_generate(args: argparse.Namespace) -> int:
     """Speculative decoding of one or more prompts; prints the completions and the acceptance statistics."""
     import torch
@@ -312,20 +306,26 @@ def command_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _setting_option(error: Exception) -> str:
+    """The ``specdec finetune`` option of the :class:`specdec.finetune.FinetuneConfig` field an error message starts
+    with (``per_character=True ...`` -> ``--per-character``)."""
+    field = re.match(r"\w+", str(error))
+    return "--" + (field.group() if field else "").replace("_", "-")
+
+
 def command_finetune(args: argparse.Namespace) -> int:
     """Finetune the drafter with s-CDF or a baseline and save it (with the tokenizer) to ``--output``."""
-    from specdec.compat import pair_positions
-    from specdec.finetune import FinetuneConfig, finetune_drafter
+    from specdec.finetune import FinetuneConfig, check_seq_len, finetune_drafter
 
-    if args.per_character and args.method not in ("scdf", "exact_variance"):
-        raise UsageError(f"argument --per-character: reweights the tasks of --method scdf or exact_variance; "
-                         f"{args.method} has no per-task weights")
-    config = FinetuneConfig(method=args.method, weight_basis=args.weight_basis, weight_floor=args.weight_floor,
-                            steps=args.steps, batch_size_per_task=args.batch_size_per_task, seq_len=args.seq_len,
-                            lr=args.lr, eval_every=args.eval_every, eval_fraction=args.eval_fraction,
-                            eval_examples=args.eval_examples, split_seed=args.split_seed,
-                            checkpoint_dir=args.checkpoint_dir, resume=not args.no_resume, seed=args.seed,
-                            per_character=args.per_character)
+    try:
+        config = FinetuneConfig(method=args.method, weight_basis=args.weight_basis, weight_floor=args.weight_floor,
+                                steps=args.steps, batch_size_per_task=args.batch_size_per_task, seq_len=args.seq_len,
+                                lr=args.lr, eval_every=args.eval_every, eval_fraction=args.eval_fraction,
+                                eval_examples=args.eval_examples, split_seed=args.split_seed,
+                                checkpoint_dir=args.checkpoint_dir, resume=not args.no_resume, seed=args.seed,
+                                per_character=args.per_character)
+    except (TypeError, ValueError) as error:
+        raise UsageError(f"argument {_setting_option(error)}: {error}") from None
     tasks = _load_tasks(args.tasks, args.max_examples, args.task_names)
     texts = {name: list(task.texts or task.prompts) for name, task in tasks.items()}
     eval_texts = None
@@ -338,10 +338,10 @@ def command_finetune(args: argparse.Namespace) -> int:
     if args.checkpoint_dir is not None:
         _check_output_folder(args.checkpoint_dir, "--checkpoint-dir")
     verifier, drafter, tokenizer, vocab_size = _load_pair(args)
-    positions = pair_positions(verifier, drafter)
-    if positions is not None and args.seq_len > positions:
-        raise UsageError(f"argument --seq-len: {args.seq_len} is more than the models' {positions} positions "
-                         f"(max_position_embeddings): use --seq-len {positions} or less")
+    try:
+        check_seq_len(config.seq_len, verifier, drafter)
+    except ValueError as error:
+        raise UsageError(f"argument --seq-len: {error}") from None
     result = finetune_drafter(
         drafter, verifier, texts, config=config, tokenizer=tokenizer, progress=not args.no_progress,
         eval_tasks=eval_texts, add_special_tokens=not args.no_special_tokens,
@@ -408,12 +408,22 @@ examples:
 exit codes: 0 success, 1 runtime error, 2 usage error (bad option or value, missing file)
 """
 
-_TASKS_HELP = ("the built-in data set 'mgsm' (MGSM: 250 math word problems in 11 languages, tasks bn de en es fr ja "
-               "ru sw te th zh; shipped with specdec, CC BY 4.0), or a task file: .jsonl/.json rows with "
-               "'prompt'/'question' and 'text'/'response'/'answer' fields (and 'task', else the file name), .tsv "
-               "('task<TAB>text' with that header, or 'question<TAB>answer' rows), .txt (one text per line), or a "
-               "folder with one file per language: <name>_<lang>.tsv/.json/.jsonl or <name>.<lang>.txt, task = lang "
-               "as MGSM codes it (MGSM, MSVAMP, mCoT outputs and NTREX-128 folders load as they come)")
+_TASK_FILES_HELP = (
+    "a task file: .jsonl/.json rows with 'prompt'/'question' and 'text'/'response'/'answer' fields (and 'task', else "
+    "the file name), .tsv ('task<TAB>text' with that header, or 'question<TAB>answer' rows), .txt (one text per "
+    "line), or a folder with one file per language: <name>_<lang>.tsv/.json/.jsonl or <name>.<lang>.txt, task = lang "
+    "as MGSM codes it (MGSM, MSVAMP, mCoT outputs and NTREX-128 folders load as they come)")
+
+
+def _tasks_help() -> str:
+    """The help of ``--tasks``: the built-in data sets (from :data:`specdec.data.BUILTIN_DATASETS`), or a file."""
+    from specdec.data import BUILTIN_DATASETS
+
+    builtin = ", ".join(f"{name!r} ({dataset.description}, tasks {' '.join(dataset.tasks)}; shipped with specdec, "
+                        f"{dataset.license})" for name, dataset in BUILTIN_DATASETS.items())
+    return f"the built-in data set {builtin}, or {_TASK_FILES_HELP}"
+
+
 _TASK_NAMES_HELP = "keep only these tasks, comma-separated, e.g. en,de,bn (default: every task)"
 
 
@@ -460,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
                "Warnings name each task whose text the tokenizer turns into many unknown tokens, or whose texts are "
                "cut at the models' positions.")
     _add_model_options(evaluate)
-    evaluate.add_argument("--tasks", type=_task_source, required=True, help=_TASKS_HELP)
+    evaluate.add_argument("--tasks", type=_task_source, required=True, help=_tasks_help())
     evaluate.add_argument("--task-names", type=_name_list, default=None, metavar="NAMES", help=_TASK_NAMES_HELP)
     evaluate.add_argument("--max-examples", type=_positive_int, default=None,
                           help="the first N examples of every task (default: all)")
@@ -488,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
                "example:\n  specdec finetune --verifier ./big --drafter ./small --tasks tasks.jsonl --steps 200 "
                "--output ./small-scdf")
     _add_model_options(finetune, finetuning=True)
-    finetune.add_argument("--tasks", type=_task_source, required=True, help="training texts: " + _TASKS_HELP)
+    finetune.add_argument("--tasks", type=_task_source, required=True, help="training texts: " + _tasks_help())
     finetune.add_argument("--task-names", type=_name_list, default=None, metavar="NAMES",
                           help=_TASK_NAMES_HELP + "; applies to --eval-tasks too")
     finetune.add_argument("--eval-tasks", type=_task_source, default=None,

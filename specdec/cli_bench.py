@@ -50,7 +50,7 @@ def add_bench_parser(commands: Any, existing_path: Callable[[str], Path]) -> arg
 def benchmarks_dir(explicit: Path | None) -> Path:
     """``explicit``, else the ``benchmarks/`` folder of the checkout the package runs from; UsageError without one."""
     from specdec._paths import source_checkout
-    from specdec.cli import UsageError
+    from specdec.cli_loading import UsageError
 
     if explicit is not None:
         return explicit
@@ -99,7 +99,7 @@ def command_bench(args: argparse.Namespace) -> int:
     """Run the kernel microbenchmarks (GPU) as subprocesses, or a CPU smoke run of the references."""
     import torch
 
-    from specdec.cli import CommandError, UsageError
+    from specdec.cli_loading import CommandError, UsageError
 
     if args.cpu_smoke:
         if args.which != "all" or args.quick or args.dry_run or args.script_args:

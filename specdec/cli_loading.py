@@ -75,8 +75,6 @@ def load_causal_lm(name: str, what: str, device: Any, dtype_name: str) -> Any:
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # no "Loading weights" bars around the command's own output
-    if _looks_like_path(name) and not Path(name).expanduser().exists():
-        raise UsageError(f"argument --{what}: no such folder: {name}")
     try:
         model = AutoModelForCausalLM.from_pretrained(name, local_files_only=True,
                                                      dtype=_resolve_dtype(dtype_name, device))
@@ -108,7 +106,7 @@ def _has_tokenizer(name: str) -> bool:
 def _check_tokenizers(args: argparse.Namespace, tokenizer: Any) -> bool:
     """CommandError when the verifier's or the drafter's own tokenizer (where its folder has one) differs from the
     tokenizer in use; returns whether both models' tokenizers are known to match it."""
-    from specdec.compat import SpecdecWarning, tokenizer_difference
+    from specdec.compat import SpecdecWarning, check_same_tokenizer
 
     used = args.tokenizer or args.verifier
     matched = {"verifier": args.tokenizer is None, "drafter": args.drafter is None}  # (a self-drafter's is its own)
@@ -121,13 +119,11 @@ def _check_tokenizers(args: argparse.Namespace, tokenizer: Any) -> bool:
             warnings.warn(f"the {role}'s tokenizer in {name} could not be loaded, so it was not compared with the "
                           f"tokenizer in use ({used}): {error}", SpecdecWarning, stacklevel=2)
             continue
-        difference = tokenizer_difference(tokenizer, own, f"the tokenizer in use ({used})",
-                                          f"the {role}'s own ({name})")
-        if difference is not None:
-            option = "--tokenizer" if role == "verifier" else "--drafter"
-            raise CommandError(f"{option}: the {role}'s tokenizer differs from the one in use: {difference}. "
-                               "Speculative decoding compares the two models token id by token id, so both must use "
-                               "one tokenizer: use a drafter trained with the verifier's tokenizer")
+        try:
+            check_same_tokenizer(tokenizer, own, verifier_name=f"the tokenizer in use ({used})",
+                                 drafter_name=f"the {role}'s tokenizer ({name})")
+        except ValueError as error:
+            raise CommandError(f"{'--tokenizer' if role == 'verifier' else '--drafter'}: {error}") from None
         matched[role] = True
     return matched["verifier"] and matched["drafter"]
 
@@ -172,21 +168,11 @@ def _check_output_folder(path: Path, option: str) -> None:
 
 def _load_tasks(source: Path | str, max_examples: int | None, names: list[str] | None = None) -> dict[str, Any]:
     """Tasks of a file, a folder or a built-in data set (``--tasks``), restricted to ``names`` (``--task-names``)."""
-    from specdec.data import TaskFileError, load_tasks
+    from specdec.data import TaskFileError, UnknownTaskError, load_tasks
 
     try:
-        tasks = load_tasks(source, max_examples=max_examples)
+        return load_tasks(source, max_examples=max_examples, names=names)
+    except UnknownTaskError as error:
+        raise UsageError(f"argument --task-names: {error}") from None
     except TaskFileError as error:
         raise CommandError(str(error)) from None
-    if names is None:
-        return tasks
-    unknown = [name for name in names if name not in tasks]
-    if unknown:
-        raise UsageError(f"argument --task-names: {source} has no task named {', '.join(map(repr, unknown))}; its "
-                         f"tasks are {', '.join(tasks)}")
-    return {name: tasks[name] for name in dict.fromkeys(names)}
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Subcommands
-# ----------------------------------------------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specdec._validation import check_int_at_least, check_int_range
+from specdec._models import model_vocab_size
+from specdec._validation import check_int_at_least, check_int_range, check_number
 
 __all__ = [
     "UNKNOWN_TOKEN_THRESHOLD",
@@ -157,12 +158,10 @@ def check_task_texts(tasks: Mapping[str, Any], tokenizer: Any, *, max_positions:
     """
     if not isinstance(tasks, Mapping):
         raise TypeError(f"tasks must be a mapping from task name to texts, got {type(tasks).__name__}")
-    check_int_at_least(max_positions, "max_positions", 1, allow_none=True)
-    check_int_at_least(max_length, "max_length", 1, allow_none=True)
-    check_int_at_least(max_new_tokens, "max_new_tokens", 0)
-    if unknown_threshold is not None and (isinstance(unknown_threshold, bool)
-                                          or not isinstance(unknown_threshold, (int, float))
-                                          or not 0 <= unknown_threshold < 1):
+    max_positions = check_int_at_least(max_positions, "max_positions", 1, allow_none=True)
+    max_length = check_int_at_least(max_length, "max_length", 1, allow_none=True)
+    max_new_tokens = check_int_at_least(max_new_tokens, "max_new_tokens", 0)
+    if unknown_threshold is not None and check_number(unknown_threshold, "unknown_threshold", 0.0) >= 1:
         raise ValueError(f"unknown_threshold must be a number in [0, 1) or None, got {unknown_threshold!r}")
     limits = [limit for limit in (max_positions, max_length) if limit is not None]
     limit = min(limits) if limits else None
@@ -249,25 +248,21 @@ def tokenizer_difference(first: Any, second: Any, first_name: str = "first",
     return "; ".join(parts)
 
 
-def check_same_tokenizer(verifier_tokenizer: Any, drafter_tokenizer: Any, *, verifier_name: str = "the verifier's",
-                         drafter_name: str = "the drafter's") -> None:
-    """ValueError unless the two tokenizers have the same vocabulary (token -> id).
+def check_same_tokenizer(verifier_tokenizer: Any, drafter_tokenizer: Any, *,
+                         verifier_name: str = "the verifier's tokenizer",
+                         drafter_name: str = "the drafter's tokenizer") -> None:
+    """ValueError unless the two tokenizers have the same vocabulary (token -> id); the message calls them
+    ``verifier_name`` and ``drafter_name``.
 
     Speculative decoding compares the drafter's and the verifier's distributions id by id, so a drafter trained with
     another tokenizer proposes tokens that mean something else to the verifier (almost none are accepted) and every
     per-task figure is meaningless.
     """
-    difference = tokenizer_difference(verifier_tokenizer, drafter_tokenizer, f"{verifier_name} tokenizer",
-                                      f"{drafter_name} tokenizer")
+    difference = tokenizer_difference(verifier_tokenizer, drafter_tokenizer, verifier_name, drafter_name)
     if difference is not None:
-        raise ValueError(f"the drafter and the verifier use different tokenizers: {difference}. Speculative decoding "
-                         "needs one vocabulary for both models: use a drafter trained with the verifier's tokenizer")
-
-
-def _model_rows(model: Any, name: str) -> int:
-    from specdec._models import model_vocab_size
-
-    return model_vocab_size(model, name)
+        raise ValueError(f"{drafter_name} differs from {verifier_name}: {difference}. Speculative decoding compares "
+                         "the two models token id by token id, so both must use one tokenizer: use a drafter "
+                         "trained with the verifier's tokenizer")
 
 
 def resolve_vocab_size(verifier: Any, drafter: Any, vocab_size: int | None = None, *, tokenizer: Any = None,
@@ -280,7 +275,7 @@ def resolve_vocab_size(verifier: Any, drafter: Any, vocab_size: int | None = Non
     two models' tokenizers with :func:`check_same_tokenizer`) the tokenizer's size is returned; otherwise ValueError
     saying what to pass (``option`` names the argument in the message, e.g. ``"--vocab-size"``).
     """
-    verifier_rows, drafter_rows = _model_rows(verifier, "verifier"), _model_rows(drafter, "drafter")
+    verifier_rows, drafter_rows = model_vocab_size(verifier, "verifier"), model_vocab_size(drafter, "drafter")
     smaller = min(verifier_rows, drafter_rows)
     if vocab_size is not None:
         return check_int_range(vocab_size, option, 1, smaller + 1,

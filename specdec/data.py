@@ -288,6 +288,10 @@ class TaskFileError(ValueError):
     """A task file or folder is missing or not in one of the supported formats."""
 
 
+class UnknownTaskError(TaskFileError):
+    """``names`` asks for a task that the file, folder or data set does not have."""
+
+
 def _require_existing(path: Path) -> None:
     if not path.exists():
         raise TaskFileError(f"task file or folder not found: {path}")
@@ -528,16 +532,17 @@ def load_tasks(path: str | Path, *, max_examples: int | None = None, as_task_dat
     Returns ``{task: TaskData(prompts, texts)}`` (``specdec.fairness.TaskData`` when available, else
     :class:`TaskTexts`; ``as_task_data=False`` always gives :class:`TaskTexts`). ``max_examples`` keeps the first
     rows of every task; ``names`` keeps only these tasks, in this order (an unknown name raises
-    :class:`TaskFileError` listing the tasks there are). Raises :class:`TaskFileError` with the path and line for
-    anything it cannot read.
+    :class:`UnknownTaskError`, a :class:`TaskFileError`, listing the tasks there are). Raises :class:`TaskFileError`
+    with the path and line for anything it cannot read.
     """
+    where = str(path)  # as given: a built-in set by its name
     if isinstance(path, str) and path in BUILTIN_DATASETS and not Path(path).exists():
         path = builtin_path(path)
     path = Path(path)
     _require_existing(path)
     tasks = load_language_folder(path) if path.is_dir() else _load_file(path)
     if names is not None:
-        tasks = _select(tasks, names, str(path))
+        tasks = _select(tasks, names, where)
     if max_examples is not None:
         max_examples = check_int_range(max_examples, "max_examples", 1, 2**63)
         tasks = {name: TaskTexts(entry.prompts[:max_examples], entry.texts[:max_examples])
@@ -548,15 +553,15 @@ def load_tasks(path: str | Path, *, max_examples: int | None = None, as_task_dat
 
 
 def _select(tasks: dict[str, TaskTexts], names: Sequence[str], where: str) -> dict[str, TaskTexts]:
-    """``tasks`` restricted to ``names`` (in that order); TaskFileError naming the unknown ones."""
+    """``tasks`` restricted to ``names`` (in that order); :class:`UnknownTaskError` naming the unknown ones."""
     if isinstance(names, str) or not isinstance(names, Sequence) or not all(isinstance(n, str) for n in names):
         raise TypeError(f"names must be a list of task names, got {names!r}")
     if not names:
         raise ValueError("names must name at least one task (or be None for all of them)")
     unknown = [name for name in names if name not in tasks]
     if unknown:
-        raise TaskFileError(f"{where}: no task named {', '.join(map(repr, unknown))}; the tasks are "
-                            f"{', '.join(tasks)}")
+        raise UnknownTaskError(f"{where}: no task named {', '.join(map(repr, unknown))}; the tasks are "
+                               f"{', '.join(tasks)}")
     return {name: tasks[name] for name in dict.fromkeys(names)}
 
 
@@ -570,34 +575,27 @@ MGSM_LANGUAGES: tuple[str, ...] = ("bn", "de", "en", "es", "fr", "ja", "ru", "sw
 
 @dataclass(frozen=True)
 class BuiltinDataset:
-    """A data set shipped inside the package: its folder (package data), tasks, source and license."""
+    """A data set shipped inside the package, in ``specdec/datasets/<name>/`` with its license and a README naming
+    its source."""
 
-    name: str
-    folder: str
-    tasks: tuple[str, ...]
     description: str
-    source: str
+    tasks: tuple[str, ...]
     license: str
     license_file: str
 
 
 BUILTIN_DATASETS: dict[str, BuiltinDataset] = {
-    "mgsm": BuiltinDataset(
-        name="mgsm", folder="mgsm", tasks=MGSM_LANGUAGES,
-        description="MGSM (Multilingual Grade School Math): the same 250 GSM8K test problems, human-translated into "
-                    "11 languages; one task per language, prompt = question, text = question + newline + answer",
-        source="Shi et al. 2022, 'Language Models are Multilingual Chain-of-Thought Reasoners' (arXiv 2210.03057); "
-               "github.com/google-research/url-nlp, folder mgsm/, commit 452a21ad3dae5668c06ceeac21ff073e1e40f9be",
-        license="CC BY 4.0", license_file="LICENSE.txt"),
+    "mgsm": BuiltinDataset(description="MGSM: 250 math word problems in 11 languages", tasks=MGSM_LANGUAGES,
+                           license="CC BY 4.0", license_file="LICENSE.txt"),
 }
-"""The built-in data sets by name; their files live in ``specdec/datasets/<folder>/`` (installed with the package)."""
+"""The built-in data sets by name; their files live in ``specdec/datasets/<name>/`` (installed with the package)."""
 
 
 def builtin_path(name: str) -> Path:
     """The folder of the built-in data set ``name`` (see :data:`BUILTIN_DATASETS`)."""
     if name not in BUILTIN_DATASETS:
         raise ValueError(f"name must be a built-in data set ({', '.join(BUILTIN_DATASETS)}), got {name!r}")
-    folder = BUILTIN_DATA_DIR / BUILTIN_DATASETS[name].folder
+    folder = BUILTIN_DATA_DIR / name
     if not folder.is_dir():  # an install that left the package data out
         raise TaskFileError(f"the built-in data set {name!r} is missing from this installation (expected {folder}); "
                             "reinstall specdec")

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 from specdec import data
-from specdec._paths import is_inside
 from specdec.demo_pair import (
     PAIR_META_NAME,
     DemoError,
@@ -112,7 +111,7 @@ def resolve_output_dir(output_dir: str | os.PathLike | None, cache_dir: Path) ->
     explicit = output_dir is not None
     target = Path(output_dir if explicit else DEFAULT_OUTPUT_DIR).expanduser().resolve()
     for folder in protected_dirs():
-        if is_inside(target, folder):
+        if target.is_relative_to(folder):
             if explicit:
                 raise DemoError(f"refusing to write the demo report into the specdec source tree or package "
                                 f"({target} is inside {folder}); choose a folder elsewhere with --output-dir")

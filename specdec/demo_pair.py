@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from specdec import data
-from specdec._paths import PACKAGE_DIR, is_inside, source_checkout
+from specdec._paths import PACKAGE_DIR, source_checkout
 from specdec._validation import folder_problem
 from specdec.teacher_forcing import pad_batch
 
@@ -133,7 +133,7 @@ def check_cache_dir(cache_dir: Path) -> Path:
     """``cache_dir`` resolved, or DemoError when it is inside the source tree or the package, or not writable."""
     cache_dir = cache_dir.expanduser().resolve()
     for folder in protected_dirs():
-        if is_inside(cache_dir, folder):
+        if cache_dir.is_relative_to(folder):
             raise DemoError(f"refusing to cache the demo models inside the specdec source tree or package "
                             f"({cache_dir} is inside {folder}); set --cache-dir or $SPECDEC_CACHE elsewhere")
     check_writable_folder(cache_dir, "--cache-dir")  # before minutes of training, not when the pair is saved

@@ -49,7 +49,7 @@ import torch
 
 from specdec._models import check_model_pair, model_device, model_vocab_size
 from specdec._validation import check_backend, check_int_at_least, check_int_range, check_number
-from specdec.compat import check_task_texts, model_positions, resolve_vocab_size
+from specdec.compat import check_task_texts, pair_positions, resolve_vocab_size
 from specdec.fairness import unfairness
 from specdec.finetune_checkpoint import (
     CHECKPOINT_FORMAT,
@@ -60,9 +60,8 @@ from specdec.finetune_checkpoint import (
     save_checkpoint,
     tasks_digest,
 )
-from specdec.losses import scdf_weights, token_weights_unchecked
+from specdec.losses import per_character_weights, token_weights_unchecked
 from specdec.teacher_forcing import (
-    decoded_length,
     encode_items,
     pad_batch,
     prefix_logits,
@@ -78,6 +77,7 @@ __all__ = [
     "CheckpointError",
     "FinetuneConfig",
     "FinetuneResult",
+    "check_seq_len",
     "finetune_drafter",
     "held_out_split",
     "load_checkpoint",
@@ -264,24 +264,47 @@ class FinetuneResult:
         return self.history[-1]
 
 
-def _tokenize_tasks(tasks: object, tokenizer: Any, name: str,
-                    add_special_tokens: bool = False) -> dict[str, list[tuple[int, list[int]]]]:
-    """``{task: [(index of the text, its token ids), ...]}`` keeping the texts of at least 2 tokens."""
+def _tokenize_tasks(tasks: object, tokenizer: Any, name: str, add_special_tokens: bool,
+                    vocab_size: int) -> tuple[dict[str, list[tuple[int, list[int]]]], dict[str, float]]:
+    """Every text of ``tasks`` encoded once: ``{task: [(index of the text, its token ids), ...]}`` keeping the texts
+    of at least 2 tokens, and ``{task: rho}``, the characters per token ``sum len(text) / sum len(token ids)`` over
+    the kept texts, for the tasks whose characters can be counted (strings, or token-id lists with a tokenizer to
+    decode them). Token ids outside ``[0, vocab_size)`` raise ValueError naming the text; with a tokenizer, a task
+    whose text it does not cover is warned about (:func:`specdec.compat.check_task_texts`)."""
     if not isinstance(tasks, Mapping):
         raise TypeError(f"{name} must be a mapping from task name to a list of texts or token-id lists, "
                         f"got {type(tasks).__name__}")
     if len(tasks) == 0:
         raise ValueError(f"{name} must contain at least one task")
     out: dict[str, list[tuple[int, list[int]]]] = {}
+    rho: dict[str, float] = {}
+    encoded_tasks: dict[str, list[list[int]]] = {}
     for task, items in tasks.items():
         if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
             raise TypeError(f"{name}[{task!r}] must be a list of texts or token-id lists, got {type(items).__name__}")
-        encoded, _ = encode_items(items, tokenizer, f"{name}[{task!r}]", add_special_tokens)
-        tokens = [(index, t) for index, t in enumerate(encoded) if len(t) >= 2]
-        if not tokens:
+        encoded, chars = encode_items(items, tokenizer, f"{name}[{task!r}]", add_special_tokens, vocab_size)
+        kept = [index for index, ids in enumerate(encoded) if len(ids) >= 2]
+        if not kept:
             raise ValueError(f"{name}[{task!r}] has no text of at least 2 tokens")
-        out[str(task)] = tokens
-    return out
+        out[str(task)] = [(index, encoded[index]) for index in kept]
+        counted = [chars[index] for index in kept]
+        if None not in counted and sum(counted) > 0:
+            rho[str(task)] = sum(counted) / sum(len(encoded[index]) for index in kept)
+        encoded_tasks[str(task)] = encoded
+    if tokenizer is not None:  # a tokenizer that does not cover a task's text: warn, naming the task
+        check_task_texts(encoded_tasks, tokenizer)
+    return out, rho
+
+
+def check_seq_len(seq_len: int, verifier: Any, drafter: Any) -> int:
+    """``seq_len`` when windows of that many tokens fit both models' positions (:func:`specdec.compat.pair_positions`),
+    else ValueError saying how many they have."""
+    seq_len = check_int_at_least(seq_len, "seq_len", 2)
+    positions = pair_positions(verifier, drafter)
+    if positions is not None and seq_len > positions:
+        raise ValueError(f"seq_len {seq_len} is more than the models' {positions} positions (max_position_embeddings): "
+                         f"use {positions} or less")
+    return seq_len
 
 
 def held_out_split(sizes: Mapping[str, int], eval_fraction: float = 0.1, max_examples: int = 32,
@@ -314,34 +337,11 @@ _SETTING_DEFAULTS = {"per_character": False, "chars_per_token": None}
 """The values of run settings that checkpoints written before the setting existed were run with."""
 
 
-def _measured_chars_per_token(raw: Mapping[Any, Any], tokenized: Mapping[str, list[tuple[int, list[int]]]],
-                              tokenizer: Any) -> dict[str, float]:
-    """``sum len(text) / sum len(token ids)`` per task over the texts kept by :func:`_tokenize_tasks`; a task whose
-    characters cannot be counted (token-id lists and no tokenizer) is left out."""
-    by_name = {str(name): items for name, items in raw.items()}
-    measured: dict[str, float] = {}
-    for task, rows in tokenized.items():
-        chars = tokens = 0
-        for index, ids in rows:
-            item = by_name[task][index]
-            if isinstance(item, str):
-                chars += len(item)
-            elif tokenizer is not None:
-                chars += decoded_length(tokenizer, list(ids))
-            else:
-                break
-            tokens += len(ids)
-        else:
-            if chars > 0:
-                measured[task] = chars / tokens
-    return measured
-
-
 def _resolve_chars_per_token(given: Mapping[str, float] | None, per_character: bool, names: list[str],
-                             tasks: Mapping[Any, Any], tokenized: Mapping[str, list[tuple[int, list[int]]]],
-                             eval_tasks: Mapping[Any, Any] | None, tokenizer: Any,
-                             add_special_tokens: bool) -> dict[str, float] | None:
-    """task -> rho (characters per token) for the training and evaluation tasks, or None when not asked for."""
+                             measured: Mapping[str, float],
+                             eval_measured: Mapping[str, float]) -> dict[str, float] | None:
+    """task -> rho (characters per token) for the training and evaluation tasks, or None when not asked for:
+    ``given``, else the ``measured`` ones of the training tasks and the ``eval_measured`` ones of the others."""
     if given is None and not per_character:
         return None
     if given is not None:
@@ -355,17 +355,13 @@ def _resolve_chars_per_token(given: Mapping[str, float] | None, per_character: b
             raise ValueError(f"chars_per_token has no entry for task(s) {', '.join(map(repr, missing))}: give one "
                              "for every task of tasks")
         return checked
-    rho = _measured_chars_per_token(tasks, tokenized, tokenizer)
+    rho = dict(measured)
     missing = [n for n in names if n not in rho]
     if missing:
         raise ValueError(f"per_character=True needs the characters per token of task {missing[0]!r}: give its texts "
                          f"as strings with tokenizer=, a tokenizer to decode its token ids, or chars_per_token="
                          f"{{{missing[0]!r}: ...}}")
-    if eval_tasks is not None:
-        extra = {n: items for n, items in eval_tasks.items() if str(n) not in rho}
-        if extra:
-            eval_tokenized = _tokenize_tasks(extra, tokenizer, "eval_tasks", add_special_tokens)
-            rho.update(_measured_chars_per_token(extra, eval_tokenized, tokenizer))
+    rho.update({n: value for n, value in eval_measured.items() if n not in rho})
     return rho
 
 
@@ -465,15 +461,10 @@ def _step_weights(cfg: FinetuneConfig, task_ids: torch.Tensor, div: Any, num_tas
         token_weights = torch.full_like(task_ids, 1.0, dtype=torch.float32) / counts.sum().float()
         weights = counts.float() / counts.sum().float()
         return token_weights, weights, basis, float(stats[0].sum() / counts.sum())
-    per_char = rho.to(device=device, dtype=torch.float64) if cfg.per_character else torch.ones_like(counts)
-    if cfg.per_character:
-        basis = basis / per_char
-    present = counts > 0
-    weights = torch.zeros(num_tasks, dtype=torch.float32, device=device)
-    weights[present] = scdf_weights(
-        basis[present], {"scdf": "scdf", "exact_variance": "exact_variance"}.get(cfg.method, "uniform"),
-        floor=cfg.weight_floor, normalize=cfg.normalize_weights).to(device)
-    multipliers = (weights.double() / per_char).float() if cfg.per_character else weights
+    basis, weights, multipliers = per_character_weights(
+        basis, rho if cfg.per_character else torch.ones_like(counts),
+        cfg.method if cfg.method in PER_CHARACTER_METHODS else "uniform", floor=cfg.weight_floor,
+        normalize=cfg.normalize_weights, present=counts > 0)
     token_weights = token_weights_unchecked(task_ids, multipliers, counts)
     return token_weights, weights, basis, float((multipliers.double() * values[0]).sum())
 
@@ -538,26 +529,18 @@ def finetune_drafter(
     cfg = resolve_config(config, settings)
     vocab_size = resolve_vocab_size(verifier, drafter, vocab_size) or model_vocab_size(verifier)
     check_int_range(pad_token_id, "pad_token_id", 0, vocab_size)
-    positions = [p for p in (model_positions(verifier), model_positions(drafter)) if p is not None]
-    if positions and cfg.seq_len > min(positions):
-        raise ValueError(f"seq_len={cfg.seq_len} is more than the models' {min(positions)} positions "
-                         f"(max_position_embeddings): use seq_len <= {min(positions)}")
+    check_seq_len(cfg.seq_len, verifier, drafter)
     autocast = device.type == "cuda" if cfg.autocast is None else bool(cfg.autocast)
 
-    tokenized = _tokenize_tasks(tasks, tokenizer, "tasks", add_special_tokens)
-    for n, rows in tokenized.items():
-        if max(max(t) for _, t in rows) >= vocab_size or min(min(t) for _, t in rows) < 0:
-            raise ValueError(f"tasks[{n!r}] has token ids outside [0, vocab_size={vocab_size})")
-    if tokenizer is not None:  # a tokenizer that does not cover a task's text: warn, naming the task
-        check_task_texts(tasks, tokenizer, add_special_tokens=add_special_tokens)
-        if eval_tasks is not None:
-            check_task_texts(eval_tasks, tokenizer, add_special_tokens=add_special_tokens)
+    tokenized, measured = _tokenize_tasks(tasks, tokenizer, "tasks", add_special_tokens, vocab_size)
     names = list(tokenized)
     held_out = None
+    eval_measured: dict[str, float] = {}
     if eval_tasks is not None:
         corpus_map = {n: [t for _, t in rows] for n, rows in tokenized.items()}
-        eval_tokens = {n: [t for _, t in rows] for n, rows in
-                       _tokenize_tasks(eval_tasks, tokenizer, "eval_tasks", add_special_tokens).items()}
+        eval_tokenized, eval_measured = _tokenize_tasks(eval_tasks, tokenizer, "eval_tasks", add_special_tokens,
+                                                        vocab_size)
+        eval_tokens = {n: [t for _, t in rows] for n, rows in eval_tokenized.items()}
     elif cfg.eval_fraction == 0:  # evaluated on training texts, as asked
         corpus_map = {n: [t for _, t in rows] for n, rows in tokenized.items()}
         eval_tokens = {n: [s[:cfg.seq_len] for s in corpus_map[n][:cfg.eval_examples]] for n in names}
@@ -569,12 +552,8 @@ def finetune_drafter(
         corpus_map = {n: [t for i, (_, t) in enumerate(rows) if i in kept[n]] for n, rows in tokenized.items()}
         eval_tokens = {n: [tokenized[n][i][1][:cfg.seq_len] for i in split[n]] for n in names}
     corpus = [corpus_map[n] for n in names]
-    for n, seqs in eval_tokens.items():
-        if max(max(s) for s in seqs) >= vocab_size or min(min(s) for s in seqs) < 0:
-            raise ValueError(f"eval_tasks[{n!r}] has token ids outside [0, vocab_size={vocab_size})")
     num_tasks = len(names)
-    rho_map = _resolve_chars_per_token(chars_per_token, cfg.per_character, names, tasks, tokenized, eval_tasks,
-                                       tokenizer, add_special_tokens)
+    rho_map = _resolve_chars_per_token(chars_per_token, cfg.per_character, names, measured, eval_measured)
     rho = (torch.tensor([rho_map[n] for n in names], dtype=torch.float64, device=device)
            if cfg.per_character else None)
 

@@ -20,6 +20,7 @@ from specdec._models import model_device
 
 CHECKPOINT_NAME = "drafter_checkpoint.safetensors"
 CHECKPOINT_FORMAT = "specdec-finetune-checkpoint-1"
+CUDA_RNG_PREFIX = "rng.cuda."  # + the device index: one random state per CUDA device
 
 
 class CheckpointError(ValueError):
@@ -77,7 +78,7 @@ def save_checkpoint(path: str, drafter: torch.nn.Module, optimizer: torch.optim.
     tensors["rng.torch"] = torch.get_rng_state().clone()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, state in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"rng.cuda.{i}"] = state.clone()
+            tensors[f"{CUDA_RNG_PREFIX}{i}"] = state.clone()
     meta = {"format": CHECKPOINT_FORMAT, "step": step, "param_groups": opt_state["param_groups"],
             "scalar_state": scalar_state, "history": history, "config": config, "since_eval": list(since_eval or [])}
     meta_json = json.dumps(meta, sort_keys=True)
@@ -150,6 +151,13 @@ def restore_checkpoint(ckpt: dict[str, Any], drafter: torch.nn.Module, optimizer
                 param_state[name] = value.to(device)
     data_generator.set_state(tensors["rng.data"])
     torch.set_rng_state(tensors["rng.torch"])
-    cuda_states = [tensors[k] for k in sorted(t for t in tensors if t.startswith("rng.cuda."))]
+    cuda_states = cuda_rng_states(tensors)
     if cuda_states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda_states[: torch.cuda.device_count()])
+
+
+def cuda_rng_states(tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The CUDA random states of a checkpoint's tensors, in device order (``rng.cuda.<device index>``, ordered by the
+    index as a number: device 10 comes after device 2)."""
+    keys = [key for key in tensors if key.startswith(CUDA_RNG_PREFIX)]
+    return [tensors[key] for key in sorted(keys, key=lambda key: int(key[len(CUDA_RNG_PREFIX):]))]

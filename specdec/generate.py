@@ -25,7 +25,14 @@ from specdec._eager_decode import DecodeResult, decode_eager
 from specdec._fast_decode import Sampling, clear_engines, decode_static, get_engine
 from specdec._models import check_model_pair, model_device, model_vocab_size, sliding_window
 from specdec._slot_cache import fast_path_problem
-from specdec._validation import as_int, check_backend, check_int_range, check_temperature, check_tensor, eos_id_list
+from specdec._validation import (
+    check_backend,
+    check_int_at_least,
+    check_int_range,
+    check_temperature,
+    check_tensor,
+    eos_id_list,
+)
 
 _DRAFT_STREAM_SALT = 0x5DEECE66D  # separates the drafter's random stream from the sampler's
 
@@ -116,13 +123,6 @@ class GenerateOutput:
     stats: SpecDecodeStats
 
 
-def _check_int(value: object, name: str, minimum: int) -> int:
-    number = as_int(value)
-    if number is None or number < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return number
-
-
 @torch.no_grad()
 def generate(
     verifier: torch.nn.Module,
@@ -199,16 +199,16 @@ def generate(
     if bool((attention_mask[:, -1] == 0).any()):
         raise ValueError("input_ids must be left-padded: attention_mask[:, -1] is 0 in some row (tokenize with "
                          "padding_side='left'); generation continues from the last column")
-    max_new_tokens = _check_int(max_new_tokens, "max_new_tokens", 1)
+    max_new_tokens = check_int_at_least(max_new_tokens, "max_new_tokens", 1)
     if isinstance(num_draft_tokens, str):
         if num_draft_tokens != "auto":
             raise ValueError(f"num_draft_tokens must be an integer >= 0 or 'auto', got {num_draft_tokens!r}")
         draft_lengths = AUTO_DRAFT_LENGTHS
     else:
-        draft_lengths = (_check_int(num_draft_tokens, "num_draft_tokens", 0),)
+        draft_lengths = (check_int_at_least(num_draft_tokens, "num_draft_tokens", 0),)
     max_drafts = max(draft_lengths)
     temperature = check_temperature(temperature)
-    top_k = _check_int(top_k, "top_k", 0)
+    top_k = check_int_at_least(top_k, "top_k", 0)
     if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0.0 < float(top_p) <= 1.0:
         raise ValueError(f"top_p must be a float in (0, 1], got {top_p!r}")
     top_p = float(top_p)
@@ -237,7 +237,7 @@ def generate(
                 "by padding rows pass vocab_size=len(tokenizer) to use the shared id range"
             )
         vocab_size = verifier_vocab
-    vocab = _check_int(vocab_size, "vocab_size", 1)
+    vocab = check_int_at_least(vocab_size, "vocab_size", 1)
     if vocab > min(verifier_vocab, drafter_vocab):
         raise ValueError(f"vocab_size={vocab} exceeds a model's vocabulary ({verifier_vocab}, {drafter_vocab})")
     if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:

@@ -18,7 +18,8 @@ The weights may be computed on a different basis than the loss (``weight_basis``
 KL or TV instead of CE. Since ``H(p)`` does not depend on the drafter, ``grad K_i = grad D_i``, so the loss is always
 the cross-entropy ``K_i`` and only the weights change with the basis.
 
-Per character (``chars_per_token`` of :func:`scdf_loss`, ``per_character`` in :mod:`specdec.finetune`): with
+Per character (:func:`per_character_weights`, used by ``chars_per_token`` of :func:`scdf_loss` and ``per_character`` in
+:mod:`specdec.finetune`): with
 ``rho_i`` the characters per token of task i, a round of speculative decoding yields ``rho_i`` times as many
 characters as tokens, and the misfit a drafter can remove costs ``D_i / rho_i`` nats per character. The weights are
 then taken on ``v_i / rho_i`` (``w_i = v_i / rho_i - min_j v_j / rho_j + floor``, or minus the mean) and the objective
@@ -135,6 +136,32 @@ def scdf_weights(per_task_values: torch.Tensor | Sequence[float], method: str = 
     return weights
 
 
+class CharacterWeights(NamedTuple):
+    """Result of :func:`per_character_weights`, all detached and [m]: ``values`` the per-character values
+    ``v_i / rho_i`` (float64), ``weights`` the ``w_i`` (float32), ``multipliers`` the ``w_i / rho_i`` (float32)."""
+
+    values: torch.Tensor
+    weights: torch.Tensor
+    multipliers: torch.Tensor
+
+
+def per_character_weights(per_task_values: torch.Tensor, chars_per_token: torch.Tensor, method: str = "scdf",
+                          floor: float = 0.0, normalize: bool = False,
+                          present: torch.Tensor | None = None) -> CharacterWeights:
+    """The s-CDF weights taken per character: ``w = scdf_weights(v / rho)``, and the multipliers ``w_i / rho_i`` of
+    ``K_i`` in the objective ``sum_i w_i K_i / rho_i``.
+
+    Args:
+        per_task_values: [m] values ``v_i`` of the weight basis. chars_per_token: [m] ``rho_i`` (> 0; not checked
+            here). With ``rho_i = 1`` for every task the values, weights and multipliers are the per-token ones.
+        method, floor, normalize, present: see :func:`scdf_weights`.
+    """
+    rho = chars_per_token.detach().to(per_task_values.device, torch.float64)
+    values = per_task_values.detach().double() / rho
+    weights = scdf_weights(values, method=method, floor=floor, normalize=normalize, present=present)
+    return CharacterWeights(values, weights, (weights.double() / rho).float())
+
+
 class ScdfLoss(NamedTuple):
     """Result of :func:`scdf_loss`: ``loss`` (0-dim, differentiable) and the detached ``weights`` [m] float32."""
 
@@ -166,20 +193,18 @@ def scdf_loss(task_losses: torch.Tensor | Sequence[torch.Tensor],
     task_losses = _as_task_vector(task_losses, "task_losses", present)
     basis = task_losses if weight_values is None else _as_task_vector(weight_values, "weight_values", present,
                                                                       like=task_losses)
-    basis = basis.detach()
-    rho = None
-    if chars_per_token is not None:
-        rho = _as_task_vector(chars_per_token, "chars_per_token", like=task_losses).detach().to(basis.device)
+    if chars_per_token is None:
+        rho = torch.ones_like(basis)
+    else:
+        rho = _as_task_vector(chars_per_token, "chars_per_token", like=task_losses)
         if not bool((rho > 0).all()):
             raise ValueError(f"chars_per_token must be > 0 for every task, got {rho.tolist()}")
-        basis = basis / rho.to(basis.dtype)
-    weights = scdf_weights(basis, method=method, floor=floor, normalize=normalize,
-                           present=present).to(task_losses.device)
-    multipliers = weights if rho is None else weights / rho.to(weights.device, weights.dtype)
-    terms = multipliers.to(task_losses.dtype) * task_losses
+    _, weights, multipliers = per_character_weights(basis, rho, method=method, floor=floor, normalize=normalize,
+                                                    present=present)
+    terms = multipliers.to(task_losses.device, task_losses.dtype) * task_losses
     if present is not None:  # 0 * NaN is NaN: leave the absent tasks out explicitly (no gradient reaches them)
         terms = torch.where(present.to(terms.device), terms, torch.zeros_like(terms))
-    return ScdfLoss(terms.sum(), weights)
+    return ScdfLoss(terms.sum(), weights.to(task_losses.device))
 
 
 def per_task_mean(values: torch.Tensor, task_ids: torch.Tensor, num_tasks: int) -> torch.Tensor:

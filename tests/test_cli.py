@@ -195,7 +195,7 @@ def test_generate_bad_paths(capsys, pair_dirs, tmp_path):
     code, _, err = run_cli(capsys, "generate", "--verifier", "nobody/no-such-model", "--drafter", verifier_dir,
                            "--prompt", "a")
     assert code == 1 and "offline" in err and "Traceback" not in err
-    for option in ("--verifier", "--tokenizer"):  # checked before anything is loaded
+    for option in ("--verifier", "--drafter", "--tokenizer"):  # checked before anything is loaded
         paths = {"--verifier": verifier_dir, "--drafter": verifier_dir, option: str(tmp_path / "missing")}
         code, _, err = run_cli(capsys, "generate", *[x for kv in paths.items() for x in kv], "--prompt", "a")
         assert code == 2 and f"argument {option}: no such folder" in err, err
@@ -269,7 +269,7 @@ def test_evaluate_builtin_mgsm_names_the_tasks_the_tokenizer_does_not_cover(caps
     assert 70 < rate < 90  # the demo's character tokenizer has no Bengali letters
     code, _, err = run_cli(capsys, "evaluate", "--verifier", verifier_dir, "--drafter", drafter_dir, "--tasks",
                            "mgsm", "--task-names", "en,xx")
-    assert code == 2 and "argument --task-names: mgsm has no task named 'xx'; its tasks are bn, de, en" in err
+    assert code == 2 and "argument --task-names: mgsm: no task named 'xx'; the tasks are bn, de, en" in err
     code, _, err = run_cli(capsys, "evaluate", "--verifier", verifier_dir, "--drafter", drafter_dir, "--tasks",
                            "mgsm8k")
     assert code == 2 and "no such file or folder: mgsm8k (built-in data sets: mgsm)" in err
@@ -314,12 +314,14 @@ def test_a_drafter_with_another_tokenizer_is_refused(capsys, pair_dirs, odd_pair
     code, out, err = run_cli(capsys, "evaluate", "--verifier", verifier_dir, "--drafter", odd_pairs["other-tokenizer"],
                              "--tasks", str(tasks_file), "--no-progress")
     assert code == 1 and out == ""
-    assert "--drafter: the drafter's tokenizer differs from the one in use" in err
+    other = odd_pairs["other-tokenizer"]
+    assert f"--drafter: the drafter's tokenizer ({other}) differs from the tokenizer in use ({verifier_dir})" in err
     assert "74 of the ids both have map to different tokens" in err and "Traceback" not in err
     # --tokenizer is compared with the verifier's own tokenizer too
     code, _, err = run_cli(capsys, "generate", "--verifier", verifier_dir, "--drafter", verifier_dir, "--tokenizer",
-                           odd_pairs["other-tokenizer"], "--prompt", "a")
-    assert code == 1 and "--tokenizer: the verifier's tokenizer differs from the one in use" in err
+                           other, "--prompt", "a")
+    assert code == 1
+    assert f"--tokenizer: the verifier's tokenizer ({verifier_dir}) differs from the tokenizer in use ({other})" in err
 
 
 def test_evaluate_bad_inputs(capsys, pair_dirs, tmp_path):
@@ -376,7 +378,8 @@ def test_finetune_evaluation_texts_and_positions(capsys, pair_dirs, odd_pairs, t
     code, _, err = run_cli(capsys, "finetune", "--verifier", odd_pairs["short-verifier"], "--drafter",
                            odd_pairs["short-drafter"], "--tasks", str(tasks_file), "--seq-len", "100", "--output",
                            str(tmp_path / "d"))
-    assert code == 2 and "argument --seq-len: 100 is more than the models' 64 positions" in err
+    assert code == 2 and ("argument --seq-len: seq_len 100 is more than the models' 64 positions "
+                          "(max_position_embeddings): use 64 or less") in err
 
 
 def test_finetune_bad_inputs(capsys, pair_dirs, tasks_file, tmp_path):
@@ -386,7 +389,8 @@ def test_finetune_bad_inputs(capsys, pair_dirs, tasks_file, tmp_path):
     assert code == 2 and "--method" in err
     code, _, err = run_cli(capsys, "finetune", *common, "--tasks", str(tasks_file), "--method", "balanced",
                            "--per-character")
-    assert code == 2 and "argument --per-character: reweights the tasks of --method scdf" in err
+    assert code == 2 and ("argument --per-character: per_character=True reweights the tasks of method 'scdf' or "
+                          "'exact_variance'; method 'balanced' has no per-task weights") in err
     code, _, err = run_cli(capsys, "finetune", *common, "--tasks", str(tmp_path / "none.tsv"))
     assert code == 2 and "none.tsv" in err
     code, _, err = run_cli(capsys, "finetune", *common, "--tasks", str(tasks_file), "--lr", "0")
@@ -401,6 +405,25 @@ def test_finetune_bad_inputs(capsys, pair_dirs, tasks_file, tmp_path):
                 str(tasks_file)] + (["--checkpoint-dir", str(target)] if option == "--checkpoint-dir" else [])
         code, _, err = run_cli(capsys, "finetune", *args)
         assert code == 2 and f"argument {option}" in err, err
+
+
+@pytest.mark.parametrize(("setting", "value"), [
+    ("method", "magic"), ("weight_basis", "js"), ("weight_floor", -1.0), ("steps", -1), ("batch_size_per_task", 0),
+    ("seq_len", 1), ("lr", 0.0), ("lr", "fast"), ("eval_every", 0), ("eval_fraction", 1.0), ("eval_examples", 0),
+    ("split_seed", -1), ("seed", 2**64), ("per_character", "yes"),
+])
+def test_finetune_config_errors_name_the_option_of_their_field(setting, value):
+    """The CLI names the option of a refused FinetuneConfig field by the field its message starts with."""
+    from specdec.cli import _setting_option, build_parser
+    from specdec.finetune import FinetuneConfig
+
+    with pytest.raises((TypeError, ValueError)) as caught:
+        FinetuneConfig(**{setting: value})
+    assert str(caught.value).startswith(setting)
+    commands = next(action for action in build_parser()._actions if action.dest == "command")
+    option = _setting_option(caught.value)
+    assert option == "--" + setting.replace("_", "-")
+    assert option in commands.choices["finetune"]._option_string_actions
 
 
 # ----------------------------------------------------------------------------------------------------------- bench

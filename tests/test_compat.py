@@ -103,6 +103,11 @@ def test_check_task_texts_arguments_are_checked(char_tokenizer):
         check_task_texts({"a": 3}, char_tokenizer)
     with pytest.raises(ValueError, match=r"unknown_threshold must be a number in \[0, 1\)"):
         check_task_texts({"a": ["x"]}, char_tokenizer, unknown_threshold=1.5)
+    with pytest.raises(ValueError, match="unknown_threshold must be a finite number >= 0"):
+        check_task_texts({"a": ["x"]}, char_tokenizer, unknown_threshold=-0.1)
+    for wrong in (True, "0.1"):
+        with pytest.raises(TypeError, match=f"unknown_threshold must be a float, got {type(wrong).__name__}"):
+            check_task_texts({"a": ["x"]}, char_tokenizer, unknown_threshold=wrong)
     with pytest.raises(ValueError, match="max_positions"):
         check_task_texts({"a": ["x"]}, char_tokenizer, max_positions=0)
     with pytest.raises(ValueError, match="max_new_tokens"):
@@ -118,9 +123,13 @@ def test_different_tokenizers_are_an_error_that_says_how_they_differ(char_tokeni
     reordered = data.build_char_tokenizer(data.ALPHABET[::-1])  # the same tokens under other ids
     assert tokenizer_difference(char_tokenizer, wider, "v", "d") == "v has 78 tokens and d 81; 3 ids exist only in d"
     with pytest.raises(ValueError, match=re.escape(
-            "the drafter and the verifier use different tokenizers: the verifier's tokenizer has 78 tokens and the "
-            "drafter's tokenizer 78; 74 of the ids both have map to different tokens (e.g. id 4: '0' against '\\n')")):
+            "the drafter's tokenizer differs from the verifier's tokenizer: the verifier's tokenizer has 78 tokens "
+            "and the drafter's tokenizer 78; 74 of the ids both have map to different tokens (e.g. id 4: '0' against "
+            "'\\n')")):
         check_same_tokenizer(char_tokenizer, reordered)
+    with pytest.raises(ValueError, match=r"^the drafter \(d\) differs from the verifier \(v\): the verifier \(v\) "
+                                         r"has 78 tokens and the drafter \(d\) 81"):
+        check_same_tokenizer(char_tokenizer, wider, verifier_name="the verifier (v)", drafter_name="the drafter (d)")
     with pytest.raises(TypeError, match="get_vocab"):
         check_same_tokenizer(char_tokenizer, object())
 

@@ -323,8 +323,10 @@ def test_load_tasks_resolves_the_builtin_name(tmp_path, monkeypatch):
 def test_builtin_and_task_names_are_checked():
     with pytest.raises(ValueError, match="name must be a built-in data set .*mgsm.*'gsm8k'"):
         data.load_builtin("gsm8k")
-    with pytest.raises(data.TaskFileError, match="no task named 'xx', 'yy'; the tasks are bn, de, en"):
+    with pytest.raises(data.UnknownTaskError, match="no task named 'xx', 'yy'; the tasks are bn, de, en"):
         data.load_builtin("mgsm", names=["en", "xx", "yy"])
+    with pytest.raises(data.TaskFileError, match="^mgsm: no task named 'xx'; the tasks are bn, de, en"):
+        data.load_tasks("mgsm", names=["xx"])  # a built-in set is named as it was given
     with pytest.raises(TypeError, match="names must be a list of task names"):
         data.load_builtin("mgsm", names="en")
     with pytest.raises(ValueError, match="names must name at least one task"):

@@ -262,6 +262,17 @@ def test_checkpoint_names_are_importable_from_finetune():
         assert getattr(finetune, name) is getattr(checkpoint, name)
 
 
+def test_cuda_random_states_are_restored_in_device_order():
+    """rng.cuda.<index> keys are ordered by the device index as a number (device 10 after device 2)."""
+    from specdec.finetune_checkpoint import CUDA_RNG_PREFIX, cuda_rng_states
+
+    states = {f"{CUDA_RNG_PREFIX}{index}": torch.full((4,), index, dtype=torch.uint8) for index in (10, 2, 0, 11, 1)}
+    tensors = {"rng.data": torch.zeros(4, dtype=torch.uint8), "rng.torch": torch.zeros(4, dtype=torch.uint8),
+               **states}
+    assert [int(state[0]) for state in cuda_rng_states(tensors)] == [0, 1, 2, 10, 11]
+    assert cuda_rng_states({"rng.data": torch.zeros(4)}) == []
+
+
 def test_missing_or_foreign_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         load_checkpoint(str(tmp_path / "nope.safetensors"))
@@ -325,7 +336,7 @@ def test_ddp_two_processes_match_one_process(tmp_path):
     (dict(tasks={}), ValueError, "tasks"),
     (dict(tasks={"a": ["some text"]}), ValueError, "tokenizer"),
     (dict(tasks={"a": [[3]]}), ValueError, "at least 2 tokens"),
-    (dict(tasks={"a": [[3, 99]]}), ValueError, "vocab_size"),
+    (dict(tasks={"a": [[3, 4], [3, 99]]}), ValueError, r"tasks\['a'\]\[1\] has token ids outside \[0, 40\)"),
     (dict(vocab_size=VOCAB + 1), ValueError, "vocab_size"),
     (dict(pad_token_id=-1), ValueError, "pad_token_id"),
     (dict(pad_token_id=VOCAB), ValueError, "pad_token_id"),
@@ -456,10 +467,51 @@ def test_differing_output_sizes_need_vocab_size():
 
 
 def test_windows_longer_than_the_models_positions_are_refused():
+    from specdec.finetune import check_seq_len
+
     verifier, drafter = make_pair()
     drafter.config.max_position_embeddings = 8
-    with pytest.raises(ValueError, match=r"seq_len=10 is more than the models' 8 positions .*use seq_len <= 8"):
+    message = r"seq_len 10 is more than the models' 8 positions \(max_position_embeddings\): use 8 or less"
+    with pytest.raises(ValueError, match=message):
+        check_seq_len(10, verifier, drafter)
+    with pytest.raises(ValueError, match=message):
         finetune_drafter(drafter, verifier, make_tasks(), **SMALL)
+    assert check_seq_len(8, verifier, drafter) == 8
+    with pytest.raises(ValueError, match="seq_len must be an integer >= 2"):
+        check_seq_len(1, verifier, drafter)
+
+
+def test_every_text_is_tokenized_once(monkeypatch):
+    """The split, the unknown-token check, the characters per token and the training share one encoding."""
+    from collections import Counter
+
+    from specdec import data
+
+    tokenizer = data.build_char_tokenizer()
+    encoded = Counter()
+    cls = type(tokenizer)
+    encode, call = cls.encode, cls.__call__
+
+    def counting_encode(self, text, *args, **kwargs):
+        encoded[text] += 1
+        return encode(self, text, *args, **kwargs)
+
+    def counting_call(self, text, *args, **kwargs):
+        encoded.update([text] if isinstance(text, str) else text)
+        return call(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "encode", counting_encode)
+    monkeypatch.setattr(cls, "__call__", counting_call)
+    verifier = build_tiny_llama(vocab_size=len(tokenizer), hidden_size=16, num_layers=1, seed=0)
+    drafter = build_tiny_llama(vocab_size=len(tokenizer), hidden_size=16, num_layers=1, seed=1)
+    tasks = {"short": [f"{i}+{i}={2 * i};" for i in range(6)], "long": [f"the fox sees {i} birds." for i in range(6)]}
+    eval_tasks = {"short": ["9+9=18;"], "long": ["a cat sees a bird."]}
+    finetune_drafter(drafter, verifier, tasks, tokenizer=tokenizer, per_character=True, **{**SMALL, "steps": 1})
+    assert encoded == Counter(text for texts in tasks.values() for text in texts)
+    encoded.clear()
+    finetune_drafter(drafter, verifier, tasks, tokenizer=tokenizer, eval_tasks=eval_tasks, per_character=True,
+                     **{**SMALL, "steps": 1})
+    assert encoded == Counter(text for group in (tasks, eval_tasks) for texts in group.values() for text in texts)
 
 
 def test_texts_the_tokenizer_does_not_cover_are_named():

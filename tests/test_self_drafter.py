@@ -82,3 +82,15 @@ def test_other_architectures_and_bad_arguments():
         layer_skip_drafter(verifier, 1, share_weights="yes")
     with pytest.raises(TypeError, match="verifier must be a Hugging Face causal LM"):
         layer_skip_drafter(torch.nn.Linear(2, 2), 1)
+
+
+def test_a_model_without_a_list_of_decoder_layers_is_refused():
+    """The drafter keeps a prefix of the base model's one nn.ModuleList of layers; a model without one is refused."""
+    verifier = tiny_llama(vocab_size=VOCAB, num_layers=2)
+    verifier.model.layers = torch.nn.Sequential(*verifier.model.layers)  # the layers, but in no ModuleList
+    with pytest.raises(TypeError, match="LlamaForCausalLM keeps no list of 2 decoder layers in its base model"):
+        layer_skip_drafter(verifier, 1)
+    verifier.config.num_hidden_layers = 3  # a list there, but not of the layers the config counts
+    verifier.model.layers = torch.nn.ModuleList(verifier.model.layers)
+    with pytest.raises(TypeError, match="keeps no list of 3 decoder layers"):
+        layer_skip_drafter(verifier, 1)
