@@ -158,10 +158,8 @@ def test_race_noise_has_float32_relative_precision_at_both_ends(fast_log):
     out = torch.empty(len(bits), dtype=torch.float32, device=DEVICE)
     _exponential_kernel[(1,)](bits.to(DEVICE), out, len(bits), FAST_LOG=fast_log,
                               BLOCK=triton.next_power_of_2(len(bits)))
-    bound = 3.5e-6 if fast_log else 4e-7
+    bound = 3.5e-6 if fast_log else 4e-7  # libdevice's logf, or lg2.approx (absolute error 2.3e-6 for u <= 1/2)
     assert float(((out.cpu().double() - exact).abs() / exact).max()) < bound
-    if not fast_log:  # the same float32 operations in both backends, up to a fused multiply-add
-        assert torch.allclose(out.cpu(), values, rtol=2.5e-7, atol=0.0)
 
 
 def test_race_noise_is_exponential():
