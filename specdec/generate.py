@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numbers
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -246,6 +247,7 @@ def generate(
     pad_token_id = check_int_range(pad_token_id, "pad_token_id", 0, vocab, allow_none=True, note=" (vocab_size)")
     seed = check_int_range(seed, "seed", 0, 2**64, allow_none=True)
     pad = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    _warn_past_positions(verifier, drafter, input_ids.shape[1], max_new_tokens, max_drafts)
 
     generator = torch.Generator(device="cpu")
     if seed is not None:
@@ -290,6 +292,21 @@ def generate(
         setup_time_s=result.setup_seconds,
     )
     return GenerateOutput(sequences=sequences, stats=stats)
+
+
+def _warn_past_positions(verifier: torch.nn.Module, drafter: torch.nn.Module, prompt_len: int, max_new_tokens: int,
+                         max_drafts: int) -> None:
+    """SpecdecWarning when a row can reach past the positions the models were built for (a last round writes up to
+    K drafts past the budget): models with learned position embeddings fail there, rotary ones drift."""
+    from specdec.compat import SpecdecWarning, pair_positions
+
+    positions = pair_positions(verifier, drafter)
+    needed = prompt_len + max_new_tokens + max_drafts
+    if positions is not None and needed > positions:
+        warnings.warn(f"input_ids ({prompt_len} columns) + max_new_tokens={max_new_tokens} + up to {max_drafts} draft "
+                      f"tokens need {needed} positions, more than the models' {positions} (max_position_embeddings): "
+                      "models with learned position embeddings fail there and others leave what they were trained "
+                      "on; shorten the prompt or max_new_tokens", SpecdecWarning, stacklevel=3)
 
 
 def clear_static_caches() -> None:

@@ -3,6 +3,8 @@ verifier's own greedy decoding token for token, and sampling reproduces the veri
 tokens. Every test runs on the GPU when there is one (the static path then replays its rounds from CUDA graphs) and
 on the CPU otherwise (the static path runs the same rounds without graphs)."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -224,6 +226,17 @@ def test_seed_makes_sampling_reproducible(verifier, drafters, static):
             for seed in (7, 7, 8)]
     assert torch.equal(runs[0], runs[1])
     assert not torch.equal(runs[0], runs[2])
+
+
+def test_rows_that_can_reach_past_the_models_positions_warn():
+    verifier, drafter = tiny_llama(), tiny_llama(seed=1, num_layers=1)
+    verifier.config.max_position_embeddings = 24
+    input_ids, attention_mask = left_padded_prompts([8, 5], 96)
+    with pytest.warns(specdec.SpecdecWarning, match="24 .max_position_embeddings"):  # 8 + 13 + 4 > 24
+        specdec.generate(verifier, drafter, input_ids, attention_mask, max_new_tokens=13, num_draft_tokens=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", specdec.SpecdecWarning)  # 8 + 12 + 4 = 24 fits
+        specdec.generate(verifier, drafter, input_ids, attention_mask, max_new_tokens=12, num_draft_tokens=4)
 
 
 def test_vocabularies_differing_by_padding_rows_use_the_shared_range(verifier):
