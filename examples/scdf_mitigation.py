@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
         tasks = {name: tasks[name] for name in wanted}
     held_out = {n: TaskData(prompts=(t.prompts or [])[:args.eval_examples] or None,
                             texts=(t.texts or [])[:args.eval_examples] or None) for n, t in tasks.items()}
+    held_out_texts = {n: list(t.texts or t.prompts) for n, t in held_out.items() if t.texts or t.prompts} or None
     train = {n: (t.texts or [])[args.eval_examples:][:args.max_examples] for n, t in tasks.items()}
     empty = [n for n, texts in train.items() if not texts]
     if empty:
@@ -105,8 +106,9 @@ def main(argv: list[str] | None = None) -> dict:
         if method != "none":
             checkpoint_dir = os.path.join(args.checkpoint_dir, method) if args.checkpoint_dir else None
             config = settings.replace(method=method, checkpoint_dir=checkpoint_dir)
+            # the held-out texts above are finetune's evaluation set too: every training text is trained on
             result = finetune_drafter(drafter, verifier, train, config=config, tokenizer=tokenizer,
-                                      add_special_tokens=not args.no_bos,
+                                      eval_tasks=held_out_texts, add_special_tokens=not args.no_bos,
                                       pad_token_id=getattr(tokenizer, "pad_token_id", None) or 0)
             history = result.history
             if args.save_dir and rank == 0:
