@@ -115,14 +115,16 @@ def l2_cache_bytes(device: int = 0) -> int:
 
 
 def specdec_version() -> str:
-    """``specdec``'s version, with the source checkout's commit when there is one (``0.1.0+g1234abc``)."""
+    """``specdec``'s version with the source's commit (``0.1.0+g1234abc``): the checkout's, or ``$SPECDEC_COMMIT``
+    for a tree without ``.git`` (a ``git archive`` copied to a GPU machine); the bare version when neither is known."""
     import specdec
 
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(RESULTS),
                                 capture_output=True, text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return specdec.__version__
+        commit = ""
+    commit = commit or os.environ.get("SPECDEC_COMMIT", "").strip()
     return f"{specdec.__version__}+g{commit}" if commit else specdec.__version__
 
 
