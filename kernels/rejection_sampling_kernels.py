@@ -20,7 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .rng import exponential_from_keys_tl, log_tl, stream_keys_tl, uniform_from_keys_tl
+from .rng import exponential_from_keys_tl, stream_keys_tl, uniform_from_keys_tl
+from .rng import log_tl as _log  # race scores: log masses and log noise, whose absolute error is what matters
 
 # ---------------------------------------------------------------------------------------------------------------
 # Elementwise helpers
@@ -77,9 +78,6 @@ def _exp(x, FTZ: tl.constexpr):
         return _exp2_ftz(x * 1.4426950408889634)
     else:
         return tl.exp(x)
-
-
-_log = log_tl  # race scores: log masses and log noise, whose absolute error is what matters
 
 
 @triton.jit

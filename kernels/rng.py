@@ -36,7 +36,6 @@ _INV_2_32 = 2.0**-32
 HALF32 = 0x80000000
 # 2 atanh(z) = 2 z sum_n z**(2n) / (2n + 1); z <= 1/3, so eight terms reach float32 precision ((1/9)**8 / 17 < 2**-29)
 ATANH_COEFFS = tuple(1.0 / (2 * n + 1) for n in range(8))
-LN2 = 0.6931471805599453
 
 
 def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:

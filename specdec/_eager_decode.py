@@ -21,6 +21,7 @@ import torch
 
 from specdec._draft_length import DraftLengthController
 from specdec._emission import add_position_counts, emission
+from specdec._models import cache_argument
 from specdec.kernels.rejection_sampling_reference import exponential_race
 from specdec.sampling import filter_logits_unchecked, rejection_sample_unchecked
 
@@ -48,7 +49,7 @@ class _ModelRunner:
         self.model = model
         self.vocab_size = vocab_size
         params = inspect.signature(model.forward).parameters
-        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.cache_kwarg = cache_argument(model) or "past_key_values"
         self.has_logits_to_keep = "logits_to_keep" in params
         try:
             self.cache = DynamicCache(config=model.config)

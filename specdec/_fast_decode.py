@@ -30,7 +30,8 @@ import torch
 from specdec._draft_length import DraftLengthController
 from specdec._eager_decode import DecodeResult
 from specdec._emission import add_position_counts, emission
-from specdec._slot_cache import SlotCache, cache_argument, slot_attention_mask
+from specdec._models import cache_argument
+from specdec._slot_cache import SlotCache, slot_attention_mask
 from specdec.kernels.rejection_sampling_reference import exponential_race
 from specdec.sampling import filter_logits_unchecked, rejection_sample_unchecked
 

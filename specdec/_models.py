@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from specdec._validation import as_int
@@ -44,3 +46,10 @@ def sliding_window(model: torch.nn.Module) -> int | None:
     if layer_types is not None and not any("sliding" in str(kind) for kind in layer_types):
         return None
     return int(window)
+
+
+def cache_argument(model: torch.nn.Module) -> str | None:
+    """The name of the KV-cache argument of ``model.forward`` (``cache`` in newer transformers, else
+    ``past_key_values``), or None when it takes neither."""
+    params = inspect.signature(model.forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in params), None)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from specdec._models import sliding_window
+from specdec._models import cache_argument, sliding_window
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
@@ -111,11 +111,3 @@ def fast_path_problem(model: torch.nn.Module, name: str) -> str | None:
         return f"{name} is an encoder-decoder model"
     return None
 
-
-def cache_argument(model: torch.nn.Module) -> str | None:
-    """The name of the KV-cache argument of ``model.forward`` (``cache`` in newer transformers, else
-    ``past_key_values``), or None when it takes neither."""
-    import inspect
-
-    params = inspect.signature(model.forward).parameters
-    return next((name for name in ("cache", "past_key_values") if name in params), None)

@@ -247,7 +247,7 @@ def generate(
     pad_token_id = check_int_range(pad_token_id, "pad_token_id", 0, vocab, allow_none=True, note=" (vocab_size)")
     seed = check_int_range(seed, "seed", 0, 2**64, allow_none=True)
     pad = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
-    _warn_past_positions(verifier, drafter, input_ids.shape[1], max_new_tokens, max_drafts)
+    _warn_past_positions(verifier, drafter, prompt_len, max_new_tokens, max_drafts)
 
     generator = torch.Generator(device="cpu")
     if seed is not None:
