@@ -30,6 +30,7 @@ __all__ = [
     "model_positions",
     "pair_positions",
     "resolve_vocab_size",
+    "shared_vocab_size",
     "tokenizer_difference",
 ]
 
@@ -293,3 +294,10 @@ def resolve_vocab_size(verifier: Any, drafter: Any, vocab_size: int | None = Non
         f"vocabulary padded to a larger size, or two different vocabularies, and nothing here tells which. If both "
         f"models use the same tokenizer, pass {value}{where} to compare only the ids they share; if the drafter was "
         "trained with another tokenizer, it cannot draft for this verifier")
+
+
+def shared_vocab_size(verifier: Any, drafter: Any, vocab_size: int | None = None, *, tokenizer: Any = None) -> int:
+    """The number of token ids both models take: :func:`resolve_vocab_size`'s value, or the output size the two
+    models have in common (ValueError, as there, for output sizes that differ without ``vocab_size``)."""
+    return (resolve_vocab_size(verifier, drafter, vocab_size, tokenizer=tokenizer)
+            or model_vocab_size(verifier, "verifier"))

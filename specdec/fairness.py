@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from specdec._models import check_model_pair, model_vocab_size
+from specdec._models import check_model_pair
 from specdec.fairness_report import FairnessReport, TaskFairness
 from specdec.metrics import expected_tokens_per_call, speedup, speedup_lower_bounds
 from specdec.speed import (
@@ -197,11 +197,10 @@ def _generation_figures(runs: Sequence[SpeculativeRun], tokenizer: Any) -> dict[
         calls += int(stats.verifier_calls.sum())
         tested += int(stats.attempted_per_position.sum())
         accepted_tested += int(stats.accepted_per_position.sum())
-        if tokenizer is not None:
-            width = run.prompt_width
-            for row in range(run.output.sequences.shape[0]):
-                new = run.output.sequences[row, width:width + int(stats.generated[row])].tolist()
-                chars += decoded_length(tokenizer, new)  # an emitted eos is no text
+        if tokenizer is not None:  # one copy to the host per run
+            width, sequences = run.prompt_width, run.output.sequences.tolist()
+            for row, length in zip(sequences, stats.generated.tolist(), strict=True):
+                chars += decoded_length(tokenizer, row[width:width + length])  # an emitted eos is no text
     tokens_per_call = generated / calls if calls else float("nan")
     return {
         "num_prompts": prompts, "generated_tokens": generated,
@@ -272,7 +271,7 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
         :class:`FairnessReport`.
     """
     from specdec._validation import check_backend, check_int_at_least, check_int_range, check_temperature
-    from specdec.compat import check_task_texts, pair_positions, resolve_vocab_size
+    from specdec.compat import check_task_texts, pair_positions, shared_vocab_size
 
     check_model_pair(verifier, drafter)
     if not isinstance(tasks, Mapping):
@@ -298,8 +297,7 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
         check_plain_generate(verifier)
     # the ids both models take; output sizes that differ must be explained (padding rows of one vocabulary) by
     # vocab_size
-    shared = resolve_vocab_size(verifier, drafter, vocab_size, tokenizer=tokenizer)
-    id_limit = shared or min(model_vocab_size(verifier, "verifier"), model_vocab_size(drafter, "drafter"))
+    id_limit = shared_vocab_size(verifier, drafter, vocab_size, tokenizer=tokenizer)
     if tokenizer is not None:  # unknown tokens, texts cut at the positions: one SpecdecWarning per task and problem
         check_task_texts(data, tokenizer, max_positions=pair_positions(verifier, drafter), max_length=max_length,
                          max_new_tokens=max_new_tokens, add_special_tokens=add_special_tokens)
@@ -325,7 +323,7 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
             tokens, chars = encode_items(texts, tokenizer, f"tasks[{name!r}].texts", add_special_tokens, id_limit)
             div = task_divergences(verifier, drafter, {name: tokens}, batch_size=batch_size, temperature=temperature,
                                    backend=backend, max_length=max_length, pad_token_id=pad_token_id,
-                                   vocab_size=shared)[name]
+                                   vocab_size=id_limit)[name]
             m = div.means()
             row.num_texts, row.num_tokens = len(texts), div.num_tokens
             row.alpha, row.cross_entropy, row.kl, row.tv, row.entropy = (m["alpha"], m["cross_entropy"], m["kl"],
@@ -352,7 +350,7 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
                 raise ValueError(f"tasks[{name!r}].prompts contains an empty prompt")
             generation = {"num_draft_tokens": K, "temperature": temperature, "max_new_tokens": max_new_tokens,
                           "batch_size": batch_size, "seed": seed, "backend": backend, "eos_token_id": eos_token_id,
-                          "pad_token_id": pad_token_id, "vocab_size": shared}
+                          "pad_token_id": pad_token_id, "vocab_size": id_limit}
             if wall_clock:  # the figures of generation come from the speculative runs that were timed
                 timing = measure_wall_clock_speedup(verifier, drafter, prompt_tokens, repeats=wall_clock_repeats,
                                                     **generation)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from specdec._models import check_model_pair, model_device, model_vocab_size
+from specdec._models import check_model_pair, model_device
 from specdec._seeding import derive_seed
 from specdec._validation import (
     check_backend,
@@ -31,9 +31,12 @@ from specdec._validation import (
     check_temperature,
     eos_id_list,
 )
-from specdec.compat import model_positions, resolve_vocab_size
+from specdec.compat import model_positions, shared_vocab_size
 from specdec.fairness_report import cost_ratio_line
 from specdec.teacher_forcing import pad_batch
+
+__all__ = ["COST_RATIO_SOURCES", "CostRatio", "SpeculativeRun", "WallClockSpeedup", "check_plain_generate",
+           "measure_decode_costs", "measure_wall_clock_speedup", "resolve_cost_ratio", "run_speculative"]
 
 COST_RATIO_SOURCES = ("measured", "given")
 
@@ -156,12 +159,6 @@ def _timed(device: torch.device, call: Any, *args: Any, **kwargs: Any) -> tuple[
     return time.perf_counter() - start, out
 
 
-def _shared_vocab(verifier: torch.nn.Module, drafter: torch.nn.Module, vocab_size: int | None) -> int:
-    """The ids both models take: ``vocab_size`` checked, else their common output size
-    (:func:`specdec.compat.resolve_vocab_size`; ValueError for output sizes that differ)."""
-    return resolve_vocab_size(verifier, drafter, vocab_size) or model_vocab_size(verifier, "verifier")
-
-
 @torch.no_grad()
 def measure_decode_costs(verifier: torch.nn.Module, drafter: torch.nn.Module, *, batch_size: int = 1,
                          seq_len: int = 16, new_tokens: int = 32, repeats: int = 10, warmup: int = 1,
@@ -182,7 +179,8 @@ def measure_decode_costs(verifier: torch.nn.Module, drafter: torch.nn.Module, *,
         batch_size: rows per call (>= 1). seq_len: prompt length (>= 1). new_tokens: tokens per long call (>= 2).
         repeats: timed repetitions (>= 1). warmup: untimed repetitions first (>= 0).
         temperature: 0 (greedy, default) or the sampling temperature of the steps. seed: prompts and sampling.
-        vocab_size: ids of the random prompts stay below it (default: the smaller output size).
+        vocab_size: ids of the random prompts stay below it (default: the models' common output size; ValueError
+            when their output sizes differ, see :func:`specdec.compat.resolve_vocab_size`).
         backend, static: passed to :func:`specdec.generate`.
 
     Returns:
@@ -201,7 +199,7 @@ def measure_decode_costs(verifier: torch.nn.Module, drafter: torch.nn.Module, *,
     device = model_device(verifier)
     if model_device(drafter) != device:
         raise ValueError(f"drafter is on {model_device(drafter)} but verifier is on {device}: move them to one device")
-    vocab = _shared_vocab(verifier, drafter, vocab_size)
+    vocab = shared_vocab_size(verifier, drafter, vocab_size)
     for name, model in (("verifier", verifier), ("drafter", drafter)):
         positions = model_positions(model)
         if positions is not None and seq_len + new_tokens > positions:
@@ -312,7 +310,7 @@ def _speculative_setup(verifier: torch.nn.Module, drafter: torch.nn.Module, prom
         check_int_at_least(value, name, low)
     temperature = check_temperature(temperature)
     check_backend(backend)
-    vocab = _shared_vocab(verifier, drafter, vocab_size)
+    vocab = shared_vocab_size(verifier, drafter, vocab_size)
     checked = _check_prompts(prompts, vocab)
     eos_ids = eos_id_list(eos_token_id, vocab)
     check_int_range(pad_token_id, "pad_token_id", 0, vocab)

@@ -299,4 +299,5 @@ def test_evaluate_warns_about_unknown_tokens_and_refuses_unexplained_output_size
                  wall_clock=False)
     report = evaluate(verifier, wider, {"en": tasks["en"]}, tokenizer=tokenizer, cost_ratio=0.5, progress=False,
                       wall_clock=False, vocab_size=len(tokenizer))
-    assert report.tasks[0].name == "en"
+    row = report.tasks[0]  # compared on the shared ids: a distribution over them, so alpha in (0, 1]
+    assert row.name == "en" and row.num_tokens > 0 and 0.0 < row.alpha <= 1.0
