@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 from multilingual import config as ml_config  # noqa: E402
 from multilingual import corpus as ml_corpus  # noqa: E402
 from multilingual.pipeline import main  # noqa: E402
+from multilingual.report import load_rows  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -106,11 +107,6 @@ def smoke_run(tmp_path_factory, one_torch_thread):
     return {"data": data, "work": work, "results": results, "questions": questions}
 
 
-def _rows(results: Path) -> list[dict]:
-    return [json.loads(line) for path in sorted((results / "rows").glob("*.jsonl"))
-            for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
 def test_prepare_keeps_evaluation_text_out_and_balances_the_tokenizer(smoke_run):
     work = smoke_run["work"]
     with gzip.open(work / "corpus" / "train.jsonl.gz", "rt", encoding="utf-8") as handle:
@@ -137,7 +133,7 @@ def test_prepare_keeps_evaluation_text_out_and_balances_the_tokenizer(smoke_run)
     assert tokenizer.unk_token_id not in ids
     cfg = ml_config.build_config(file=work / "config.json")
     assert cfg.preset == "smoke" and cfg.languages == list(LANGS)
-    prepare = [r for r in _rows(smoke_run["results"]) if r["kind"] == "prepare"]
+    prepare = [r for r in load_rows(smoke_run["results"]) if r["kind"] == "prepare"]
     assert len(prepare) == 1 and prepare[0]["settings"] == cfg.to_dict()
 
 
@@ -157,7 +153,7 @@ def test_models_load_back_and_the_rows_record_their_training(smoke_run):
     drafter = load_model(work / "models", "tiny-en")
     assert verifier.config.model_type == "llama" and drafter.config.model_type == "qwen2"
     assert verifier.lm_head.weight.data_ptr() == verifier.model.embed_tokens.weight.data_ptr()
-    train_rows = [r for r in _rows(smoke_run["results"]) if r["kind"] == "train"]
+    train_rows = [r for r in load_rows(smoke_run["results"]) if r["kind"] == "train"]
     assert {r["model"] for r in train_rows} == {"verifier", "small-skewed", "tiny-en"}
     assert all(r["settings"] == cfg.to_dict() for r in train_rows)
     skewed = next(r for r in train_rows if r["model"] == "small-skewed")
@@ -165,7 +161,6 @@ def test_models_load_back_and_the_rows_record_their_training(smoke_run):
     assert set(skewed["heldout_loss"]) == set(LANGS)
     balanced = next(r for r in train_rows if r["model"] == "verifier")
     assert balanced["weights"] == pytest.approx({lang: 1 / len(LANGS) for lang in LANGS})
-    assert balanced["params"] == sum(p.numel() for p in verifier.parameters())
     assert balanced["params"] < sum(v.numel() for v in verifier.state_dict().values())  # the tied head counted once
 
 
@@ -207,7 +202,7 @@ def test_a_configured_verifier_mix_is_trained_on(smoke_run, tmp_path):
 
 def test_every_pair_variant_and_language_is_evaluated_with_the_verifier_unchanged(smoke_run):
     cfg = ml_config.build_config(file=smoke_run["work"] / "config.json")
-    rows = _rows(smoke_run["results"])
+    rows = load_rows(smoke_run["results"])
     summaries = [r for r in rows if r["kind"] == "summary" and r["experiment"] == "languages"]
     pairs = [d.name for d in cfg.drafters]
     assert {(r["pair"], r["variant"]) for r in summaries} == {(p, v) for p in pairs for v in cfg.variants}
@@ -256,14 +251,16 @@ def test_the_report_has_every_variant_and_language(smoke_run):
         assert "Per token:" in section and "Per character" in section
         for variant in cfg.variants:
             assert f"| {variant} |" in section, (pair, variant)
-        header = next(line for line in section.splitlines() if line.startswith("| variant | bn") or
-                      line.startswith("| variant | en"))
+        header = next(line for line in section.splitlines() if line.startswith("| variant | en"))
         assert all(f" {lang} " in header for lang in LANGS)
     assert "Against uniform distillation" in report
     figures = sorted(p.name for p in (smoke_run["results"] / "figures").glob("*.png"))
     assert "languages__small-skewed__alpha.png" in figures and \
         "domains__small-skewed__char_speedup_predicted.png" in figures
-    assert "greedy identical" in report
+    fingerprinted = [r for r in load_rows(smoke_run["results"])
+                     if r["kind"] == "summary" and r.get("verifier_greedy_identical") is not None]
+    assert fingerprinted and all(r["verifier_greedy_identical"] is True for r in fingerprinted)
+    assert "| yes |" in report and "| NO |" not in report  # the greedy-identical column
 
 
 def test_per_character_variant_uses_the_training_rho(smoke_run, monkeypatch):
@@ -297,7 +294,7 @@ def test_per_character_variant_uses_the_training_rho(smoke_run, monkeypatch):
     assert len(steps) == cfg.finetune_steps
     for info in steps:
         assert info["chars_per_token"] == pytest.approx([final["rho"][lang] for lang in LANGS])
-    summary = next(r for r in _rows(results) if r["kind"] == "summary")
+    summary = next(r for r in load_rows(results) if r["kind"] == "summary")
     assert summary["train_chars_per_token"] == pytest.approx(final["rho"])
 
 
@@ -362,11 +359,11 @@ def test_torchrun_two_processes_match_one_process(smoke_run, tmp_path):
     two = subprocess.run([*torchrun, script, *common], env=env, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     assert main(["ddp-compare", "--work", str(work), "--results", str(results), "--no-progress"]) == 0
-    ddp = [r for r in _rows(results) if r["kind"] == "ddp"]
+    ddp = [r for r in load_rows(results) if r["kind"] == "ddp"]
     assert len(ddp) == 1 and ddp[0]["world_size"] == 2
     assert ddp[0]["settings"] == ml_config.build_config(file=work / "config.json").to_dict()
     assert ddp[0]["max_abs_weight_difference"] < 1e-4 and ddp[0]["relative_l2_weight_difference"] < 1e-5
-    summaries = {r["world_size"]: r for r in _rows(results) if r["kind"] == "summary"}
+    summaries = {r["world_size"]: r for r in load_rows(results) if r["kind"] == "summary"}
     assert set(summaries) == {1, 2}
     assert all(r["settings"]["finetune_steps"] == 3 and not r["settings"]["wall_clock"] for r in summaries.values())
     assert summaries[2]["alpha_mean"] == pytest.approx(summaries[1]["alpha_mean"], abs=1e-4)
@@ -400,7 +397,7 @@ def test_on_a_gpu_the_pair_runs_in_bf16_on_the_static_path(smoke_run, tmp_path):
     results = tmp_path / "results"
     assert main(["finetune", "--work", str(smoke_run["work"]), "--results", str(results), "--pairs", "self1",
                  "--variants", "none,scdf_char_kl", "--device", "cuda", "--no-progress"]) == 0
-    summaries = [r for r in _rows(results) if r["kind"] == "summary"]
+    summaries = [r for r in load_rows(results) if r["kind"] == "summary"]
     assert len(summaries) == 2 and all(r["device"] != "cpu" and r["verifier_greedy_identical"] for r in summaries)
     assert all(r["cost_ratio_path"] == "static" for r in summaries)
 
@@ -421,5 +418,5 @@ def test_on_two_gpus_torchrun_matches_one_gpu(smoke_run, tmp_path):
                           script, *common], env=env, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     assert main(["ddp-compare", "--work", str(work), "--results", str(results), "--no-progress"]) == 0
-    ddp = next(r for r in _rows(results) if r["kind"] == "ddp")
+    ddp = next(r for r in load_rows(results) if r["kind"] == "ddp")
     assert ddp["relative_l2_weight_difference"] < 1e-2  # bf16 autocast: the two reductions round differently

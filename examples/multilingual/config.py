@@ -61,8 +61,9 @@ class ModelSpec:
     self_layers: int | None = None
 
     def check(self, where: str) -> None:
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", self.name or ""):
-            raise ValueError(f"{where}.name must be letters, digits, '-' and '_', got {self.name!r}")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", self.name or "") or "__" in self.name:
+            raise ValueError(f"{where}.name must be letters, digits, '-' and '_' with no '__' (row files join names "
+                             f"with it), got {self.name!r}")
         if check_int_at_least(self.self_layers, f"{where}.self_layers", 1, allow_none=True) is not None:
             return
         if self.arch not in ARCHITECTURES:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import math
 import random
 import re
 from collections import defaultdict
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec.data import LANGUAGE_CODES, SPECIAL_TOKENS, load_jsonl_tasks
+from specdec.finetune import held_out_split
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 DOMAINS = ("cot", "news")
@@ -113,10 +113,13 @@ def _news_documents(path: Path, max_lines: int) -> list[list[str]]:
     ``max_lines`` sentences; none when the file is missing."""
     if not path.is_file():
         return []
-    lines = [line.rstrip("\r\n") for line in path.open(encoding="utf-8-sig")]
+    with path.open(encoding="utf-8-sig") as handle:
+        lines = [line.rstrip("\r\n") for line in handle]
     ids_path = path.parent / "DOCUMENT_IDS.tsv"
-    doc_ids = ([line.rstrip("\r\n").split("\t")[0] for line in ids_path.open(encoding="utf-8-sig")]
-               if ids_path.is_file() else [])
+    doc_ids = []
+    if ids_path.is_file():
+        with ids_path.open(encoding="utf-8-sig") as handle:
+            doc_ids = [line.rstrip("\r\n").split("\t")[0] for line in handle]
     if len(doc_ids) != len(lines):
         doc_ids = [str(i // max_lines) for i in range(len(lines))]
     texts: list[list[str]] = []
@@ -187,19 +190,14 @@ def read_training_rows(data: str | Path, languages: list[str], *, news_max_lines
 
 def split_rows(rows: list[dict[str, str]], fraction: float, most: int, seed: int
                ) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    """(train, heldout): a seeded ``fraction`` (at most ``most``, at least one where two or more) of every (language,
-    domain) held out."""
-    groups: dict[tuple[str, str], list[int]] = defaultdict(list)
+    """(train, heldout): :func:`specdec.finetune.held_out_split` of every (language, domain) with two or more texts
+    (a seeded ``fraction``, at most ``most``, at least one)."""
+    groups: dict[str, list[int]] = defaultdict(list)
     for index, row in enumerate(rows):
-        groups[row["lang"], row["domain"]].append(index)
-    held: set[int] = set()
-    for key, indices in sorted(groups.items()):
-        if len(indices) < 2:
-            continue
-        count = min(max(1, math.ceil(fraction * len(indices))), most, len(indices) - 1)
-        order = list(indices)
-        random.Random(f"multilingual-heldout/{seed}/{key[0]}/{key[1]}").shuffle(order)
-        held.update(order[:count])
+        groups[f"{row['lang']}/{row['domain']}"].append(index)
+    sizes = {key: len(indices) for key, indices in groups.items() if len(indices) >= 2}
+    split = held_out_split(sizes, fraction, most, seed)
+    held = {groups[key][i] for key, picked in split.items() for i in picked}
     train = [r for i, r in enumerate(rows) if i not in held]
     heldout = [r for i, r in enumerate(rows) if i in held]
     return train, heldout

@@ -31,8 +31,7 @@ from specdec.fairness import TaskData, _spread, evaluate, spearman, unfairness
 from .corpus import BOS_ID, DEFAULT_TRIGGER, EOS_ID, PAD_ID, cot_prompt
 
 
-def mgsm_tasks(cfg: Any, tokenizer: Any, triggers: dict[str, str], languages: list[str] | None = None
-               ) -> dict[str, TaskData]:
+def mgsm_tasks(cfg: Any, tokenizer: Any, triggers: dict[str, str]) -> dict[str, TaskData]:
     """The evaluation tasks: one per language of ``cfg.eval_data`` (``"mgsm"``, the built-in set, or a folder in its
     format). Texts (teacher forcing): the first ``eval_texts`` of each language as given (question, newline, answer).
     Prompts (generation): the first ``eval_prompts`` questions, in the chain-of-thought template the models were
@@ -40,7 +39,7 @@ def mgsm_tasks(cfg: Any, tokenizer: Any, triggers: dict[str, str], languages: li
     encoded with ``<bos>`` and cut to their last ``max_prompt_tokens`` tokens."""
     from specdec.data import load_tasks
 
-    languages = list(languages or cfg.languages)
+    languages = list(cfg.languages)
     loaded = load_tasks(cfg.eval_data, names=languages, as_task_data=False)
     tasks = {}
     for lang in languages:
@@ -59,7 +58,8 @@ def encode_prompts(tokenizer: Any, prompts: list[str], most: int) -> list[list[i
     """``<bos>`` and the last ``most - 1`` tokens of every prompt."""
     out = []
     for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]:
-        out.append([BOS_ID] + list(ids)[-(most - 1):])
+        ids = list(ids)
+        out.append([BOS_ID] + ids[max(0, len(ids) - (most - 1)):])
     return out
 
 

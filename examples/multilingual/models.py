@@ -36,11 +36,6 @@ def build_model(spec: Any, vocab_size: int, max_positions: int, seed: int) -> to
     return AutoModelForCausalLM.from_config(config).float().eval()
 
 
-def count_parameters(model: torch.nn.Module) -> int:
-    """Distinct parameters (``parameters()`` yields a tied one once)."""
-    return sum(p.numel() for p in model.parameters())
-
-
 def _model_files(folder: Path, name: str) -> list[Path]:
     single = folder / f"{name}.safetensors"
     shards = sorted(folder.glob(f"{name}-[0-9][0-9]-of-[0-9][0-9].safetensors"))

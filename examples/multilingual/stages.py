@@ -13,18 +13,19 @@ import re
 import shutil
 import time
 import warnings
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from specdec._seeding import derive_seed
+
 from . import corpus as corpus_module
 from .config import PipelineConfig, finetune_config
 from .corpus import PAD_ID, Corpus, encode, load_tokenizer
 from .evaluation import encode_prompts, evaluate_pair, mgsm_tasks, report_rows, verifier_fingerprint
-from .models import TokenStreams, build_model, count_parameters, load_model, save_model, train_language_model
+from .models import TokenStreams, build_model, load_model, save_model, train_language_model
 
 EXPERIMENTS = ("languages", "domains")
 
@@ -86,11 +87,6 @@ def barrier(ctx: Context) -> None:
 
     if ctx.world > 1 and dist.is_initialized():
         dist.barrier()
-
-
-def name_seed(seed: int, name: str) -> int:
-    """A seed of its own for every model (the same in every run with the same ``seed``)."""
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**31
 
 
 def write_rows(ctx: Context, name: str, rows: list[dict[str, Any]]) -> Path:
@@ -166,10 +162,10 @@ def stage_train(ctx: Context, names: list[str] | None = None, export: str | Path
     rows = []
     for spec in specs:
         weights = spec.weights(cfg.languages)
-        model = build_model(spec, len(tokenizer), cfg.max_positions, name_seed(cfg.seed, spec.name)).to(ctx.device)
+        model = build_model(spec, len(tokenizer), cfg.max_positions, derive_seed(cfg.seed, spec.name)).to(ctx.device)
         log = train_language_model(model, train, weights, steps=spec.steps, batch_size=spec.batch_size, lr=spec.lr,
                                    warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
-                                   seed=name_seed(cfg.seed, spec.name + "/data"), heldout=heldout,
+                                   seed=derive_seed(cfg.seed, spec.name, "data"), heldout=heldout,
                                    heldout_windows=cfg.heldout_windows, progress=ctx.progress, name=spec.name,
                                    max_seconds=cfg.train_max_seconds)
         files = save_model(model, ctx.models_dir(), spec.name, max_file_mb=cfg.max_file_mb)
@@ -178,7 +174,7 @@ def stage_train(ctx: Context, names: list[str] | None = None, export: str | Path
             for path in files:
                 shutil.copy2(path, Path(export) / path.name)
         rows.append({"kind": "train", "time": _now(), "preset": cfg.preset, "model": spec.name, "arch": spec.arch,
-                     "params": count_parameters(model), "hidden_size": spec.hidden_size,
+                     "params": model.num_parameters(), "hidden_size": spec.hidden_size,
                      "num_layers": spec.num_layers, "device": _device_name(ctx.device),
                      "files": {p.name: p.stat().st_size for p in files}, "settings": cfg.to_dict(), **log})
         del model
@@ -221,14 +217,15 @@ def _task_data(ctx: Context, tokenizer: Any, corpus: Corpus, experiment: str) ->
             raise ValueError(f"task {name!r} has no training texts in {ctx.work / 'corpus'}")
         train[name] = encode(tokenizer, texts)
         rho[name] = _chars_per_token(texts, train[name])
-        held = encode(tokenizer, corpus.texts("heldout", lang, domain))
-        if not held:
+        held_texts = corpus.texts("heldout", lang, domain)
+        if not held_texts:
             raise ValueError(f"task {name!r} has no held-out texts in {ctx.work / 'corpus'}")
-        ft_eval[name] = [ids[: cfg.finetune_seq_len] for ids in held[: cfg.finetune_eval_examples]]
+        held = encode(tokenizer, held_texts[: cfg.finetune_eval_examples])
+        ft_eval[name] = [ids[: cfg.finetune_seq_len] for ids in held]
         if domain is not None:
             prompts = corpus.texts("heldout", lang, domain, field="prompt")[: cfg.eval_prompts]
             evaluation[name] = TaskData(prompts=encode_prompts(tokenizer, prompts, cfg.max_prompt_tokens),
-                                        texts=corpus.texts("heldout", lang, domain)[: cfg.eval_texts])
+                                        texts=held_texts[: cfg.eval_texts])
     if experiment == "languages":
         evaluation = mgsm_tasks(cfg, tokenizer, corpus.triggers)
     return {"train": train, "rho": rho, "ft_eval": ft_eval, "evaluation": evaluation}
