@@ -306,11 +306,17 @@ def command_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _setting_option(error: Exception) -> str:
-    """The ``specdec finetune`` option of the :class:`specdec.finetune.FinetuneConfig` field an error message starts
-    with (``per_character=True ...`` -> ``--per-character``)."""
-    field = re.match(r"\w+", str(error))
-    return "--" + (field.group() if field else "").replace("_", "-")
+def _setting_option(error: Exception) -> str | None:
+    """The ``specdec finetune`` option of the :class:`specdec.finetune.FinetuneConfig` field an error message names
+    first (``per_character=True ...`` -> ``--per-character``), or None when it names none of them."""
+    from dataclasses import fields
+
+    from specdec.finetune import FinetuneConfig
+
+    message = str(error)
+    names = sorted((f.name for f in fields(FinetuneConfig)), key=len, reverse=True)  # longest first: seed_x before seed
+    field = next((name for name in names if re.match(rf"{name}\b", message)), None)
+    return "--" + field.replace("_", "-") if field else None
 
 
 def command_finetune(args: argparse.Namespace) -> int:
@@ -325,7 +331,8 @@ def command_finetune(args: argparse.Namespace) -> int:
                                 checkpoint_dir=args.checkpoint_dir, resume=not args.no_resume, seed=args.seed,
                                 per_character=args.per_character)
     except (TypeError, ValueError) as error:
-        raise UsageError(f"argument {_setting_option(error)}: {error}") from None
+        option = _setting_option(error)
+        raise UsageError(f"argument {option}: {error}" if option else str(error)) from None
     tasks = _load_tasks(args.tasks, args.max_examples, args.task_names)
     texts = {name: list(task.texts or task.prompts) for name, task in tasks.items()}
     eval_texts = None

@@ -426,6 +426,13 @@ def test_finetune_config_errors_name_the_option_of_their_field(setting, value):
     assert option in commands.choices["finetune"]._option_string_actions
 
 
+def test_an_error_naming_no_finetune_setting_gets_no_option():
+    from specdec.cli import _setting_option
+
+    assert _setting_option(ValueError("seeds must differ")) is None  # 'seed' only as a whole word
+    assert _setting_option(ValueError("tasks are empty")) is None
+
+
 # ----------------------------------------------------------------------------------------------------------- bench
 def test_bench_dry_run_lists_the_scripts(capsys):
     code, out, err = run_cli(capsys, "bench", "--dry-run", "--quick")
