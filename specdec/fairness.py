@@ -10,7 +10,8 @@ drafter after the same temperature, averaged over all prefixes s of the task's t
   ``r_p = 1 - E p(y|s)``, drafter fitness ``1 - r_q``;
 * from real :func:`specdec.generate` runs on the prompts: the measured acceptance rate and tokens per verifier call
   (and ``speedup_predicted_generation``, tokens per call over ``K c + 1``), and the measured wall-clock speed-up
-  ``speedup_measured`` over the verifier's own ``generate`` on the same prompts (:func:`measure_wall_clock_speedup`).
+  ``speedup_measured`` over the verifier's own ``generate`` (or, ``wall_clock_baseline="specdec"``, over
+  ``specdec.generate`` with no drafts) on the same prompts (:func:`measure_wall_clock_speedup`).
 
 The cost ratio c = t_drafter / t_verifier is given or measured on the decoding step that :func:`specdec.generate`
 runs (:func:`measure_decode_costs`); the report says which, with the measured spread (:class:`CostRatio`).
@@ -40,6 +41,7 @@ from specdec._models import check_model_pair
 from specdec.fairness_report import FairnessReport, TaskFairness
 from specdec.metrics import expected_tokens_per_call, speedup, speedup_lower_bounds
 from specdec.speed import (
+    WALL_CLOCK_BASELINES,
     CostRatio,
     SpeculativeRun,
     WallClockSpeedup,
@@ -239,7 +241,7 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
              progress: bool = True, backend: str = "auto", max_length: int | None = 512,
              eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
              vocab_size: int | None = None, add_special_tokens: bool = False, wall_clock: bool = True,
-             wall_clock_repeats: int = 3) -> FairnessReport:
+             wall_clock_repeats: int = 3, wall_clock_baseline: str = "hf") -> FairnessReport:
     """Measure how unequally a drafter-verifier pair accelerates each task.
 
     Args:
@@ -266,6 +268,8 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
             (the same calls and seeds as without the wall clock, :func:`run_speculative`); it costs
             ``wall_clock_repeats`` more passes of ``specdec.generate`` and ``wall_clock_repeats + 1`` of the
             verifier's ``generate`` over the prompts. wall_clock_repeats: timed repetitions (>= 1).
+        wall_clock_baseline: ``"hf"`` (the verifier's ``generate``) or ``"specdec"`` (``specdec.generate`` with no
+            drafts on the same path: the speed-up of speculation alone, what ``speedup_predicted`` predicts).
 
     Returns:
         :class:`FairnessReport`.
@@ -293,7 +297,9 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
     if tokenizer is not None and not (hasattr(tokenizer, "encode") and hasattr(tokenizer, "decode")):
         raise TypeError("tokenizer must have encode(text, add_special_tokens=False) and decode(ids) methods")
     data = {str(name): _as_task_data(str(name), value) for name, value in tasks.items()}
-    if wall_clock and any(task.prompts is not None for task in data.values()):
+    if wall_clock_baseline not in WALL_CLOCK_BASELINES:
+        raise ValueError(f"wall_clock_baseline must be one of {WALL_CLOCK_BASELINES}, got {wall_clock_baseline!r}")
+    if wall_clock and wall_clock_baseline == "hf" and any(task.prompts is not None for task in data.values()):
         check_plain_generate(verifier)
     # the ids both models take; output sizes that differ must be explained (padding rows of one vocabulary) by
     # vocab_size
@@ -353,7 +359,7 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
                           "pad_token_id": pad_token_id, "vocab_size": id_limit}
             if wall_clock:  # the figures of generation come from the speculative runs that were timed
                 timing = measure_wall_clock_speedup(verifier, drafter, prompt_tokens, repeats=wall_clock_repeats,
-                                                    **generation)
+                                                    baseline=wall_clock_baseline, **generation)
                 runs = timing.speculative_runs
                 row.speedup_measured = timing.speedup
                 row.speedup_measured_min, row.speedup_measured_max = timing.speedup_min, timing.speedup_max
@@ -373,6 +379,8 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
     summary: dict[str, Any] = {"num_tasks": len(rows), "num_draft_tokens": K, **cost.summary(),
                                "temperature": temperature, "max_new_tokens": max_new_tokens,
                                "wall_clock_measured": any(r.speedup_measured is not None for r in rows)}
+    if summary["wall_clock_measured"]:
+        summary["wall_clock_baseline"] = wall_clock_baseline
     scored = [r for r in rows if r.alpha is not None]
     if scored:
         summary["U_ce"] = unfairness([r.cross_entropy for r in scored])

@@ -4,7 +4,8 @@
 ``num_draft_tokens=0`` (so on the path ``generate`` takes on that device: static with CUDA graphs on CUDA, eager on
 the CPU); a step is ``(t(N new tokens) - t(1)) / (N - 1)``, which leaves out the prompt's call, and c is the median
 of per-repetition ratios with the two models timed back to back in alternating order. :func:`measure_wall_clock_speedup`
-times ``specdec.generate`` against the verifier's own ``generate`` on the same prompts, warmed up and synchronised, and
+times ``specdec.generate`` against the verifier's own ``generate`` (or against ``specdec.generate`` with no drafts, the
+speed-up of speculation alone) on the same prompts, warmed up and synchronised, and
 keeps its speculative runs (:class:`SpeculativeRun`), so acceptance and tokens per call can be read from the runs that
 were timed. :func:`resolve_cost_ratio` turns a given c, a :class:`CostRatio` or None (measure it) into a
 :class:`CostRatio`.
@@ -35,10 +36,14 @@ from specdec.compat import model_positions, shared_vocab_size
 from specdec.fairness_report import cost_ratio_line
 from specdec.teacher_forcing import pad_batch
 
-__all__ = ["COST_RATIO_SOURCES", "CostRatio", "SpeculativeRun", "WallClockSpeedup", "check_plain_generate",
-           "measure_decode_costs", "measure_wall_clock_speedup", "resolve_cost_ratio", "run_speculative"]
+__all__ = ["COST_RATIO_SOURCES", "WALL_CLOCK_BASELINES", "CostRatio", "SpeculativeRun", "WallClockSpeedup",
+           "check_plain_generate", "measure_decode_costs", "measure_wall_clock_speedup", "resolve_cost_ratio",
+           "run_speculative"]
 
 COST_RATIO_SOURCES = ("measured", "given")
+WALL_CLOCK_BASELINES = ("hf", "specdec")
+"""What :func:`measure_wall_clock_speedup` times speculative decoding against: the verifier's Hugging Face
+``generate``, or ``specdec.generate`` with no drafts on the same path."""
 
 
 @dataclass(frozen=True)
@@ -113,8 +118,9 @@ class SpeculativeRun:
 
 @dataclass(frozen=True)
 class WallClockSpeedup:
-    """Measured wall-clock speed-up of :func:`specdec.generate` over the verifier's own ``generate`` on the same
-    prompts with the same ``max_new_tokens`` and eos.
+    """Measured wall-clock speed-up of :func:`specdec.generate` over plain decoding by the verifier (``baseline``:
+    ``"hf"``, its own ``generate``, or ``"specdec"``, ``specdec.generate`` with no drafts) on the same prompts with
+    the same ``max_new_tokens`` and eos.
 
     ``speedup`` is the median over ``repeats`` repetitions of the ratio of generation rates, (speculative_tokens /
     t_speculative) / (plain_tokens / t_plain). Each repetition times every batch once with each method and redoes the
@@ -133,6 +139,7 @@ class WallClockSpeedup:
     repeats: int
     speculative_tokens: int
     plain_tokens: int
+    baseline: str = "hf"
     speculative_runs: tuple[SpeculativeRun, ...] = field(default=(), repr=False)
 
 
@@ -345,8 +352,13 @@ def measure_wall_clock_speedup(verifier: torch.nn.Module, drafter: torch.nn.Modu
                                temperature: float = 0.0, max_new_tokens: int = 32, batch_size: int = 8,
                                repeats: int = 3, warmup: int = 1, seed: int = 0, backend: str = "auto",
                                eos_token_id: int | Sequence[int] | None = None, pad_token_id: int = 0,
-                               vocab_size: int | None = None, static: bool | None = None) -> WallClockSpeedup:
-    """Time :func:`specdec.generate` against the verifier's own Hugging Face ``generate`` on the same prompts.
+                               vocab_size: int | None = None, static: bool | None = None,
+                               baseline: str = "hf") -> WallClockSpeedup:
+    """Time :func:`specdec.generate` against plain decoding by the verifier alone on the same prompts.
+
+    ``baseline="hf"`` times the verifier's own Hugging Face ``generate``, the decoding a user replaces;
+    ``baseline="specdec"`` times ``specdec.generate`` with ``num_draft_tokens=0`` on the same path (static with CUDA
+    graphs on CUDA), so the ratio is the speed-up of speculation alone, the figure S(alpha, K, c) predicts.
 
     Both decode greedily (``temperature=0``) or sample at ``temperature`` (no top-k, no top-p), from the same
     left-padded batches of ``batch_size`` prompts, with the same ``max_new_tokens`` and ``eos_token_id`` (a row stops
@@ -366,7 +378,10 @@ def measure_wall_clock_speedup(verifier: torch.nn.Module, drafter: torch.nn.Modu
     Returns:
         :class:`WallClockSpeedup`, with the last timed speculative run of each batch (``speculative_runs``).
     """
-    check_plain_generate(verifier)
+    if baseline not in WALL_CLOCK_BASELINES:
+        raise ValueError(f"baseline must be one of {WALL_CLOCK_BASELINES}, got {baseline!r}")
+    if baseline == "hf":
+        check_plain_generate(verifier)
     check_int_at_least(repeats, "repeats", 1)
     check_int_at_least(warmup, "warmup", 0)
     setup = _speculative_setup(verifier, drafter, prompts, num_draft_tokens=num_draft_tokens, temperature=temperature,
@@ -386,6 +401,12 @@ def measure_wall_clock_speedup(verifier: torch.nn.Module, drafter: torch.nn.Modu
 
     def plain(index: int) -> int:
         ids, mask = setup.batches[index]
+        if baseline == "specdec":
+            from specdec.generate import generate
+
+            options = {**setup.options, "num_draft_tokens": 0}
+            out = generate(verifier, drafter, ids, mask, seed=setup.batch_seed(index), **options)
+            return int(out.stats.generated.sum())
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(setup.batch_seed(index))
             out = verifier.generate(input_ids=ids, attention_mask=mask, **plain_options)
@@ -414,4 +435,5 @@ def measure_wall_clock_speedup(verifier: torch.nn.Module, drafter: torch.nn.Modu
     return WallClockSpeedup(speedup=statistics.median(ratios), speculative_s=statistics.median(speculative_times),
                             plain_s=statistics.median(plain_times), speedup_min=min(ratios), speedup_max=max(ratios),
                             repeats=repeats, speculative_tokens=speculative_tokens, plain_tokens=plain_tokens,
+                            baseline=baseline,
                             speculative_runs=tuple(runs))

@@ -191,6 +191,39 @@ def test_plain_generate_is_the_verifier_decoding_greedily(models, monkeypatch):
     torch.testing.assert_close(generate(verifier, drafter, ids, mask, max_new_tokens=5).sequences, out)
 
 
+def test_specdec_baseline_is_plain_decoding_on_the_same_path(models, monkeypatch):
+    # baseline="specdec" must time specdec.generate with no drafts (the verifier's greedy decoding, so the same
+    # tokens as the speculative runs) and never the verifier's Hugging Face generate
+    verifier, drafter = models
+    generate_module = importlib.import_module("specdec.generate")  # the module: specdec.generate is the function
+    calls = []
+    original = generate_module.generate
+
+    def recording(*args, **kwargs):
+        out = original(*args, **kwargs)
+        calls.append((kwargs["num_draft_tokens"], out))
+        return out
+
+    monkeypatch.setattr(generate_module, "generate", recording)
+    prompts = token_prompts(3, seed=5)
+    timing = measure_wall_clock_speedup(WithoutGenerate(verifier), drafter, prompts, num_draft_tokens=2,
+                                        max_new_tokens=6, batch_size=3, repeats=1, warmup=0, eos_token_id=EOS,
+                                        baseline="specdec")
+    assert sorted(k for k, _ in calls) == [0, 2] and timing.baseline == "specdec"
+    plain, speculative = (out for _, out in sorted(calls, key=lambda call: call[0]))
+    torch.testing.assert_close(plain.sequences, speculative.sequences)
+    assert timing.plain_tokens == timing.speculative_tokens == int(plain.stats.generated.sum())
+    with pytest.raises(ValueError, match=r"baseline must be one of \('hf', 'specdec'\), got 'eager'"):
+        measure_wall_clock_speedup(verifier, drafter, prompts, baseline="eager")
+    tasks = {"x": TaskData(prompts=prompts)}
+    report = evaluate(WithoutGenerate(verifier), drafter, tasks, num_draft_tokens=2, temperature=0.0,
+                      max_new_tokens=4, batch_size=3, cost_ratio=0.2, progress=False, wall_clock_repeats=1,
+                      wall_clock_baseline="specdec")
+    assert report.summary["wall_clock_baseline"] == "specdec" and report.tasks[0].speedup_measured > 0
+    with pytest.raises(ValueError, match="wall_clock_baseline must be one of"):
+        evaluate(verifier, drafter, tasks, cost_ratio=0.2, progress=False, wall_clock_baseline="eager")
+
+
 def test_evaluate_reports_measured_beside_predicted(models, tmp_path):
     verifier, drafter = models
     gen = torch.Generator().manual_seed(1)

@@ -17,6 +17,7 @@ from typing import Any
 from specdec._validation import check_int_at_least, check_number, check_temperature
 from specdec.data import MGSM_LANGUAGES
 from specdec.finetune import METHODS, WEIGHT_BASES, FinetuneConfig
+from specdec.speed import WALL_CLOCK_BASELINES
 
 CONFIG_NAME = "config.json"
 ARCHITECTURES = ("llama", "qwen2")
@@ -139,6 +140,7 @@ class PipelineConfig:
     max_length: int = 512
     wall_clock: bool = True
     wall_clock_repeats: int = 1
+    wall_clock_baseline: str = "specdec"  # plain decoding on generate's own path: the speed-up of speculation alone
     wall_clock_variants: list[str] | None = None
     cost_repeats: int = 5
     fingerprint_prompts: int = 8
@@ -221,6 +223,9 @@ class PipelineConfig:
                 raise ValueError(f"{name} must be a non-empty list of variant names, got {values!r}")
             for variant in values:  # the finetuning settings are checked here, before any stage runs
                 finetune_config(self, variant, name)
+        if self.wall_clock_baseline not in WALL_CLOCK_BASELINES:
+            raise ValueError(f"wall_clock_baseline must be one of {WALL_CLOCK_BASELINES}, got "
+                             f"{self.wall_clock_baseline!r}")
         if self.wall_clock_variants is not None:
             for variant in self.wall_clock_variants:
                 parse_variant(variant, "wall_clock_variants")

@@ -66,12 +66,12 @@ def encode_prompts(tokenizer: Any, prompts: list[str], most: int) -> list[list[i
 def evaluate_pair(verifier: torch.nn.Module, drafter: torch.nn.Module, tasks: dict[str, TaskData], tokenizer: Any,
                   cfg: Any, cost: Any, wall_clock: bool, progress: bool) -> Any:
     """:func:`specdec.evaluate` with the pipeline's settings (the generation runs on ``specdec.generate``'s default
-    path: static with CUDA graphs on a GPU)."""
+    path: static with CUDA graphs on a GPU; the wall clock against ``cfg.wall_clock_baseline``)."""
     return evaluate(verifier, drafter, tasks, tokenizer=tokenizer, num_draft_tokens=cfg.num_draft_tokens,
                     temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.eval_batch_size,
                     cost_ratio=cost, seed=cfg.seed, progress=progress, max_length=cfg.max_length,
                     eos_token_id=EOS_ID, pad_token_id=PAD_ID, add_special_tokens=True, wall_clock=wall_clock,
-                    wall_clock_repeats=cfg.wall_clock_repeats)
+                    wall_clock_repeats=cfg.wall_clock_repeats, wall_clock_baseline=cfg.wall_clock_baseline)
 
 
 def report_rows(report: Any, meta: dict[str, Any], run: dict[str, Any], share: dict[str, float] | None,

@@ -224,6 +224,26 @@ def plot_pair(runs: dict[str, dict[str, Any]], title: str, path_stem: Path) -> l
     return paths
 
 
+def _cost_lines(pair_runs: dict[str, dict[str, Any]]) -> str:
+    """The cost ratio of a pair's runs: one line, or (runs measured apart) each value with its variants."""
+    lines: dict[str, list[str]] = {}
+    for variant, run in pair_runs.items():
+        lines.setdefault(cost_ratio_line(run["summary"], short=True), []).append(variant)
+    if len(lines) == 1:
+        return next(iter(lines))
+    return "; ".join(f"{line} ({', '.join(variants)})" for line, variants in lines.items())
+
+
+def _baseline_line(pair_runs: dict[str, dict[str, Any]]) -> str:
+    """What the measured speed-ups of a pair's runs are measured against."""
+    names = {"hf": "the verifier's Hugging Face generate", "specdec": "specdec.generate with no drafts (same path)"}
+    baselines = {run["summary"].get("wall_clock_baseline", "hf") for run in pair_runs.values()
+                 if run["summary"].get("wall_clock_measured")}
+    if not baselines:
+        return ""
+    return "S measured: over " + " or ".join(names.get(b, str(b)) for b in sorted(baselines)) + "."
+
+
 def write_report(results: str | Path, plots: bool = True) -> Path:
     """``<results>/report.md`` and ``<results>/figures/*.png`` from the rows."""
     results = Path(results)
@@ -282,10 +302,10 @@ def write_report(results: str | Path, plots: bool = True) -> Path:
             first = next(iter(pair_runs.values()))["summary"]
             dominant = first.get("dominant_task")
             lines += [f"### Pair: verifier + {pair}" + (f" ({world} processes)" if world != 1 else ""), "",
-                      f"K = {first.get('num_draft_tokens')}, {cost_ratio_line(first, short=True)}, temperature "
+                      f"K = {first.get('num_draft_tokens')}, {_cost_lines(pair_runs)}, temperature "
                       f"{first.get('temperature')}, finetuning "
                       f"steps {max(r['summary'].get('finetune_steps', 0) for r in pair_runs.values())} for every "
-                      "variant.", ""]
+                      f"variant. {_baseline_line(pair_runs)}", ""]
             lines += _pair_tables(pair_runs, dominant)
             found = comparisons(pair_runs, dominant)
             goal_rows += [[experiment, pair, g["goal"], g["variant"], g["figure"], "yes" if g["met"] else "no"]
