@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 from multilingual import config as ml_config  # noqa: E402
 from multilingual import corpus as ml_corpus  # noqa: E402
 from multilingual.pipeline import main  # noqa: E402
-from multilingual.report import load_rows  # noqa: E402
+from multilingual.report import load_rows, repeated_runs  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -254,6 +254,7 @@ def test_the_report_has_every_variant_and_language(smoke_run):
         header = next(line for line in section.splitlines() if line.startswith("| variant | en"))
         assert all(f" {lang} " in header for lang in LANGS)
     assert "Against uniform distillation" in report
+    assert "S measured: over specdec.generate with no drafts (same path)." in report  # the default baseline
     figures = sorted(p.name for p in (smoke_run["results"] / "figures").glob("*.png"))
     assert "languages__small-skewed__alpha.png" in figures and \
         "domains__small-skewed__char_speedup_predicted.png" in figures
@@ -261,6 +262,22 @@ def test_the_report_has_every_variant_and_language(smoke_run):
                      if r["kind"] == "summary" and r.get("verifier_greedy_identical") is not None]
     assert fingerprinted and all(r["verifier_greedy_identical"] is True for r in fingerprinted)
     assert "| yes |" in report and "| NO |" not in report  # the greedy-identical column
+
+
+def test_repeated_runs_compare_the_latest_run_with_each_earlier_one():
+    def run(time, variant, alphas, mean):
+        meta = {"experiment": "languages", "pair": "p", "variant": variant, "world_size": 1, "time": time}
+        return [{**meta, "kind": "task", "task": t, "alpha": a} for t, a in alphas.items()] + \
+            [{**meta, "kind": "summary", "alpha_mean": mean, "alpha_std": 0.1, "alpha_measured_mean": None,
+              "U_ce": 0.5}]
+
+    rows = (run("t1", "a", {"x": 0.50, "y": 0.40}, 0.45) + run("t3", "a", {"x": 0.50, "y": 0.43}, 0.465)
+            + run("t2", "a", {"x": 0.49, "y": 0.40}, 0.445) + run("t1", "b", {"x": 0.3, "y": 0.3}, 0.3))
+    (row,) = repeated_runs(rows)
+    # latest (t3) against t1 and t2: two comparisons; variant b ran once; no generation figure: nan
+    assert row[:4] == ["languages", "p", 1, 2]
+    assert row[4] == pytest.approx(0.03) and row[5] == pytest.approx(0.02) and row[6] == 0 and row[8] == 0
+    assert row[7] != row[7]
 
 
 def test_per_character_variant_uses_the_training_rho(smoke_run, monkeypatch):

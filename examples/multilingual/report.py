@@ -50,6 +50,35 @@ def latest_runs(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
     return out
 
 
+def repeated_runs(rows: list[dict[str, Any]]) -> list[list[Any]]:
+    """Per (experiment, pair, world), the runs of a variant repeated with the same settings, the latest against each
+    earlier one: how many comparisons, and the largest |Δ| over them of α_T (any task), mean α, α std, mean α in
+    generation and U on K_T."""
+    groups: dict[tuple, dict[str, dict[str, Any]]] = defaultdict(lambda: defaultdict(lambda: {"tasks": {}}))
+    for row in rows:
+        if row.get("kind") in ("task", "summary"):
+            run = groups[row["experiment"], row["pair"], row["variant"], row.get("world_size", 1)][row["time"]]
+            if row["kind"] == "task":
+                run["tasks"][row["task"]] = row.get("alpha")
+            else:
+                run["summary"] = row
+    names = ("alpha_mean", "alpha_std", "alpha_measured_mean", "U_ce")
+    found: dict[tuple, list[list[float]]] = defaultdict(list)
+    for (experiment, pair, _variant, world), by_time in sorted(groups.items()):
+        times = sorted(t for t, run in by_time.items() if "summary" in run)
+        for earlier_time in times[:-1]:
+            latest, earlier = by_time[times[-1]], by_time[earlier_time]
+            deltas = [abs(a - earlier["tasks"][t]) for t, a in latest["tasks"].items()
+                      if a is not None and earlier["tasks"].get(t) is not None]
+            found[experiment, pair, world].append(
+                [max(deltas, default=math.nan)] + [abs(latest["summary"][n] - earlier["summary"][n])
+                                                   if latest["summary"].get(n) is not None
+                                                   and earlier["summary"].get(n) is not None else math.nan
+                                                   for n in names])
+    return [[*key, len(diffs), *(max(column) for column in zip(*diffs, strict=True))]
+            for key, diffs in found.items()]
+
+
 def _get(row: dict[str, Any] | None, key: str) -> Any:
     return None if row is None else row.get(key)
 
@@ -317,6 +346,14 @@ def write_report(results: str | Path, plots: bool = True) -> Path:
     if goal_rows:
         lines += ["## Against uniform distillation (as measured)", ""]
         lines += markdown_table(["experiment", "pair", "goal", "variant", "figure", "met"], goal_rows)
+        lines.append("")
+    repeated = repeated_runs(rows)
+    if repeated:
+        lines += ["## Repeated runs", "",
+                  "Variants run again with the same settings (the latest run is reported above), the latest run "
+                  "against each earlier one: the largest absolute differences over the repeats.", ""]
+        lines += markdown_table(["experiment", "pair", "processes", "repeats", "Δα_T (any task)", "Δ mean α",
+                                 "Δ α std", "Δ α gen mean", "Δ U on K_T"], repeated)
         lines.append("")
     ddp = _ddp_lines(runs, [r for r in rows if r.get("kind") == "ddp"])
     if ddp:
