@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import warnings
 from collections.abc import Sequence
@@ -23,9 +22,9 @@ from specdec.cli_loading import (
     DTYPES,
     CommandError,
     UsageError,
-    _check_output_folder,
-    _load_pair,
-    _load_tasks,
+    check_output_folder,
+    load_pair,
+    load_task_source,
 )
 
 PROGRAM = "specdec"
@@ -37,16 +36,17 @@ DEFAULT_MAX_LENGTH = 512  # tokens per reference text in evaluate, unless the mo
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _int_at_least(minimum: int):
-    """argparse type: an integer >= ``minimum``."""
+def _int_at_least(minimum: int, below: int | None = None, below_text: str | None = None):
+    """argparse type: an integer >= ``minimum`` (and < ``below`` when given, shown as ``below_text``)."""
+    wanted = f"an integer >= {minimum}" if below is None else f"an integer in [{minimum}, {below_text or below})"
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}") from None
+        if value < minimum or (below is not None and value >= below):
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {value}")
         return value
 
     return parse
@@ -54,6 +54,7 @@ def _int_at_least(minimum: int):
 
 _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
+_seed = _int_at_least(0, 2**64, "2**64")  # the seeds specdec's functions accept
 
 
 def _draft_tokens_or_auto(text: str) -> int | str:
@@ -175,17 +176,16 @@ def _add_decoding_options(parser: argparse.ArgumentParser, *, temperature: float
                        help=f"sampling temperature, 0 = greedy (default: {temperature})")
     group.add_argument("--max-new-tokens", type=_positive_int, default=max_new_tokens,
                        help=f"tokens to generate per prompt (default: {max_new_tokens})")
-    group.add_argument("--seed", type=_non_negative_int, default=0, help="random seed (default: 0)")
+    group.add_argument("--seed", type=_seed, default=0, help="random seed (default: 0)")
     group.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
                        help="kernel backend: auto = Triton on CUDA, torch reference elsewhere (default: auto)")
     group.add_argument("--batch-size", type=_positive_int, default=8, help="prompts per batch (default: 8)")
 
 
-def _add_input_options(parser: argparse.ArgumentParser, what: str, *, progress: bool = True) -> None:
+def _add_input_options(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--no-special-tokens", action="store_true",
                         help=f"do not add the tokenizer's special tokens (BOS etc.) to {what}")
-    if progress:
-        parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def _subcommand(commands: Any, name: str, handler: Any, *, help: str, description: str,
@@ -214,7 +214,7 @@ def command_generate(args: argparse.Namespace) -> int:
         prompts = [prompt.replace("\\n", "\n") for prompt in args.prompt]
         if any(not prompt for prompt in prompts):
             raise UsageError("argument --prompt: prompts must not be empty")
-    verifier, drafter, tokenizer, vocab_size = _load_pair(args)
+    verifier, drafter, tokenizer, vocab_size = load_pair(args)
     eos = args.eos_token_id if args.eos_token_id is not None else tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
     from specdec._models import model_vocab_size
@@ -286,9 +286,9 @@ def command_evaluate(args: argparse.Namespace) -> int:
     from specdec.fairness import evaluate
 
     if args.output_dir is not None:
-        _check_output_folder(args.output_dir, "--output-dir")
-    tasks = _load_tasks(args.tasks, args.max_examples, args.task_names)
-    verifier, drafter, tokenizer, vocab_size = _load_pair(args)
+        check_output_folder(args.output_dir, "--output-dir")
+    tasks = load_task_source(args.tasks, args.max_examples, args.task_names)
+    verifier, drafter, tokenizer, vocab_size = load_pair(args)
     positions = pair_positions(verifier, drafter)
     max_length = args.max_length or min(DEFAULT_MAX_LENGTH, positions or DEFAULT_MAX_LENGTH)
     report = evaluate(
@@ -306,23 +306,13 @@ def command_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _setting_option(error: Exception) -> str | None:
-    """The ``specdec finetune`` option of the :class:`specdec.finetune.FinetuneConfig` field an error message names
-    first (``per_character=True ...`` -> ``--per-character``), or None when it names none of them."""
-    from dataclasses import fields
-
-    from specdec.finetune import FinetuneConfig
-
-    message = str(error)
-    names = sorted((f.name for f in fields(FinetuneConfig)), key=len, reverse=True)  # longest first: seed_x before seed
-    field = next((name for name in names if re.match(rf"{name}\b", message)), None)
-    return "--" + field.replace("_", "-") if field else None
-
-
 def command_finetune(args: argparse.Namespace) -> int:
     """Finetune the drafter with s-CDF or a baseline and save it (with the tokenizer) to ``--output``."""
-    from specdec.finetune import FinetuneConfig, check_seq_len, finetune_drafter
+    from specdec.finetune import PER_CHARACTER_METHODS, FinetuneConfig, check_seq_len, finetune_drafter
 
+    if args.per_character and args.method not in PER_CHARACTER_METHODS:
+        raise UsageError(f"argument --per-character: needs --method {' or '.join(PER_CHARACTER_METHODS)} (the methods "
+                         f"with per-task weights), got --method {args.method}")
     try:
         config = FinetuneConfig(method=args.method, weight_basis=args.weight_basis, weight_floor=args.weight_floor,
                                 steps=args.steps, batch_size_per_task=args.batch_size_per_task, seq_len=args.seq_len,
@@ -331,20 +321,19 @@ def command_finetune(args: argparse.Namespace) -> int:
                                 checkpoint_dir=args.checkpoint_dir, resume=not args.no_resume, seed=args.seed,
                                 per_character=args.per_character)
     except (TypeError, ValueError) as error:
-        option = _setting_option(error)
-        raise UsageError(f"argument {option}: {error}" if option else str(error)) from None
-    tasks = _load_tasks(args.tasks, args.max_examples, args.task_names)
+        raise UsageError(str(error)) from None
+    tasks = load_task_source(args.tasks, args.max_examples, args.task_names)
     texts = {name: list(task.texts or task.prompts) for name, task in tasks.items()}
     eval_texts = None
     if args.eval_tasks is not None:
         eval_texts = {name: list(task.texts or task.prompts)
-                      for name, task in _load_tasks(args.eval_tasks, args.max_examples, args.task_names).items()}
-    _check_output_folder(args.output, "--output")
+                      for name, task in load_task_source(args.eval_tasks, args.max_examples, args.task_names).items()}
+    check_output_folder(args.output, "--output")
     if args.output.exists() and any(args.output.iterdir()) and not args.overwrite:
         raise UsageError(f"argument --output: {args.output} exists and is not empty (pass --overwrite)")
     if args.checkpoint_dir is not None:
-        _check_output_folder(args.checkpoint_dir, "--checkpoint-dir")
-    verifier, drafter, tokenizer, vocab_size = _load_pair(args)
+        check_output_folder(args.checkpoint_dir, "--checkpoint-dir")
+    verifier, drafter, tokenizer, vocab_size = load_pair(args)
     try:
         check_seq_len(config.seq_len, verifier, drafter)
     except ValueError as error:
@@ -368,12 +357,15 @@ def command_finetune(args: argparse.Namespace) -> int:
     else:
         print("evaluated on training texts (--eval-fraction 0): the U and α figures measure fit, not held-out "
               "performance")
-    print("| step | U (basis) | U (CE) | U (KL) | mean α | worst α | worst task |\n|---|---|---|---|---|---|---|")
+    per_token = ", per token" if config.per_character else ""
+    label = f"U ({result.weight_basis}{', per character' if config.per_character else ''})"
+    print(f"| step | {label} | U (CE{per_token}) | U (KL{per_token}) | mean α | worst α | worst task |\n"
+          "|---|---|---|---|---|---|---|")
     for entry in result.history:
         print(f"| {entry['step']} | {entry['U']:.4g} | {entry['U_ce']:.4g} | {entry['U_kl']:.4g} | "
               f"{entry['mean_alpha']:.4g} | {entry['worst_alpha']:.4g} | {entry['worst_task']} |")
     change = (last["U"] - first["U"]) / first["U"] if first["U"] else 0.0
-    print(f"U ({result.weight_basis}) {first['U']:.4g} -> {last['U']:.4g} ({change:+.0%}); "
+    print(f"{label} {first['U']:.4g} -> {last['U']:.4g} ({change:+.0%}); "
           f"mean α {first['mean_alpha']:.4g} -> {last['mean_alpha']:.4g}; worst α {first['worst_alpha']:.4g} -> "
           f"{last['worst_alpha']:.4g}")
     print(f"saved the finetuned drafter to {args.output}")
@@ -516,7 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "(at most --eval-examples of them); 0 evaluates on training texts (default: 0.1)")
     finetune.add_argument("--eval-examples", type=_positive_int, default=32,
                           help="the most texts per task held out and evaluated (default: 32)")
-    finetune.add_argument("--split-seed", type=_non_negative_int, default=0,
+    finetune.add_argument("--split-seed", type=_seed, default=0,
                           help="seed of the held-out split, apart from --seed so that training seeds share one "
                                "evaluation set (default: 0)")
     finetune.add_argument("--output", type=Path, required=True, help="folder to save the finetuned drafter into")
@@ -545,7 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="start afresh even if --checkpoint-dir holds a checkpoint")
     finetune.add_argument("--max-examples", type=_positive_int, default=None,
                           help="the first N texts of every task (default: all)")
-    finetune.add_argument("--seed", type=_non_negative_int, default=0,
+    finetune.add_argument("--seed", type=_seed, default=0,
                           help="seed of the minibatch sampling (default: 0)")
     _add_input_options(finetune, "texts")
 
@@ -563,7 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
                "source tree).")
     demo.add_argument("--output-dir", type=Path, default=None, help="report folder (default: ./specdec-demo-report)")
     demo.add_argument("--cache-dir", type=Path, default=None, help="where the trained pair is cached")
-    demo.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the data and training (default: 0)")
+    demo.add_argument("--seed", type=_seed, default=0, help="seed of the data and training (default: 0)")
     demo.add_argument("--baselines", action="store_true",
                       help="also finetune with uniform distillation, data balancing and exact-variance weights "
                            "(about a minute more)")

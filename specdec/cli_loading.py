@@ -103,10 +103,19 @@ def _has_tokenizer(name: str) -> bool:
         return False
 
 
+TOKENIZER_ADVICE = {
+    "verifier": "The verifier reads and writes the token ids of the tokenizer in use, so that must be the verifier's "
+                "own tokenizer: leave out --tokenizer, or pass one that matches the verifier's tokenizer",
+    "drafter": "Speculative decoding compares the two models token id by token id, so both must use one tokenizer: "
+               "use a drafter trained with the verifier's tokenizer",
+}
+"""What to do when the tokenizer in use differs from a model's own, by the model's role."""
+
+
 def _check_tokenizers(args: argparse.Namespace, tokenizer: Any) -> bool:
     """CommandError when the verifier's or the drafter's own tokenizer (where its folder has one) differs from the
     tokenizer in use; returns whether both models' tokenizers are known to match it."""
-    from specdec.compat import SpecdecWarning, check_same_tokenizer
+    from specdec.compat import SpecdecWarning, tokenizer_difference
 
     used = args.tokenizer or args.verifier
     matched = {"verifier": args.tokenizer is None, "drafter": args.drafter is None}  # (a self-drafter's is its own)
@@ -119,16 +128,19 @@ def _check_tokenizers(args: argparse.Namespace, tokenizer: Any) -> bool:
             warnings.warn(f"the {role}'s tokenizer in {name} could not be loaded, so it was not compared with the "
                           f"tokenizer in use ({used}): {error}", SpecdecWarning, stacklevel=2)
             continue
-        try:
-            check_same_tokenizer(tokenizer, own, verifier_name=f"the tokenizer in use ({used})",
-                                 drafter_name=f"the {role}'s tokenizer ({name})")
-        except ValueError as error:
-            raise CommandError(f"{'--tokenizer' if role == 'verifier' else '--drafter'}: {error}") from None
+        own_name, used_name = f"the {role}'s tokenizer ({name})", f"the tokenizer in use ({used})"
+        difference = tokenizer_difference(tokenizer, own, used_name, own_name)
+        if difference is not None:
+            option = "--tokenizer" if role == "verifier" else "--drafter"
+            unchecked = args.tokenizer is not None and not matched["verifier"]  # --tokenizer may not be the verifier's
+            also = " (or, if --tokenizer is not the verifier's tokenizer, pass the verifier's)" if unchecked else ""
+            raise CommandError(f"{option}: {own_name} differs from {used_name}: {difference}. "
+                               f"{TOKENIZER_ADVICE[role]}{also}")
         matched[role] = True
     return matched["verifier"] and matched["drafter"]
 
 
-def _load_pair(args: argparse.Namespace) -> tuple[Any, Any, Any, int | None]:
+def load_pair(args: argparse.Namespace) -> tuple[Any, Any, Any, int | None]:
     """The verifier, the drafter, the tokenizer and the id range they share (None: every id), after checking that
     the models' tokenizers match and that differing output sizes are accounted for."""
     from specdec.compat import resolve_vocab_size
@@ -157,7 +169,7 @@ def _load_pair(args: argparse.Namespace) -> tuple[Any, Any, Any, int | None]:
     return verifier, drafter, tokenizer, vocab_size
 
 
-def _check_output_folder(path: Path, option: str) -> None:
+def check_output_folder(path: Path, option: str) -> None:
     """UsageError before any work when ``path`` cannot become a folder we write into."""
     from specdec._validation import folder_problem
 
@@ -166,7 +178,8 @@ def _check_output_folder(path: Path, option: str) -> None:
         raise UsageError(f"argument {option}: {problem}")
 
 
-def _load_tasks(source: Path | str, max_examples: int | None, names: list[str] | None = None) -> dict[str, Any]:
+def load_task_source(source: Path | str, max_examples: int | None,
+                     names: list[str] | None = None) -> dict[str, Any]:
     """Tasks of a file, a folder or a built-in data set (``--tasks``), restricted to ``names`` (``--task-names``)."""
     from specdec.data import TaskFileError, UnknownTaskError, load_tasks
 

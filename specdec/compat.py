@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec._models import model_vocab_size
-from specdec._validation import check_int_at_least, check_int_range, check_number
+from specdec._validation import check_int_at_least, check_int_range
 
 __all__ = [
     "UNKNOWN_TOKEN_THRESHOLD",
@@ -162,8 +162,7 @@ def check_task_texts(tasks: Mapping[str, Any], tokenizer: Any, *, max_positions:
     max_positions = check_int_at_least(max_positions, "max_positions", 1, allow_none=True)
     max_length = check_int_at_least(max_length, "max_length", 1, allow_none=True)
     max_new_tokens = check_int_at_least(max_new_tokens, "max_new_tokens", 0)
-    if unknown_threshold is not None and check_number(unknown_threshold, "unknown_threshold", 0.0) >= 1:
-        raise ValueError(f"unknown_threshold must be a number in [0, 1) or None, got {unknown_threshold!r}")
+    unknown_threshold = _check_unknown_threshold(unknown_threshold)
     limits = [limit for limit in (max_positions, max_length) if limit is not None]
     limit = min(limits) if limits else None
     unk = getattr(tokenizer, "unk_token_id", None)
@@ -189,6 +188,18 @@ def check_task_texts(tasks: Mapping[str, Any], tokenizer: Any, *, max_positions:
         if warn:
             _warn_about(check, tokenizer, unknown_threshold, max_positions, max_length, max_new_tokens)
     return results
+
+
+def _check_unknown_threshold(value: object) -> float | None:
+    """``value`` as a float in [0, 1), or None; TypeError for a non-number, ValueError otherwise, one message."""
+    if value is None:
+        return None
+    problem = f"unknown_threshold must be a number in [0, 1) or None, got {value!r}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(problem)
+    if not 0 <= value < 1:  # NaN fails too
+        raise ValueError(problem)
+    return float(value)
 
 
 def _warn_about(check: TextCheck, tokenizer: Any, unknown_threshold: float | None, max_positions: int | None,

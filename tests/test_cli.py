@@ -125,6 +125,23 @@ def test_max_new_tokens_shows_each_commands_default(capsys):
         assert action.default == default and f"(default: {default})" in action.help
 
 
+def test_the_cli_uses_only_public_names_of_cli_loading():
+    import specdec.cli as cli
+    import specdec.cli_loading as loading
+
+    borrowed = [name for name, value in vars(cli).items()
+                if getattr(value, "__module__", None) == loading.__name__ and name in vars(loading)]
+    assert {"load_pair", "load_task_source", "check_output_folder", "UsageError"} <= set(borrowed)
+    assert all(not name.startswith("_") for name in borrowed), borrowed
+
+
+def test_commands_that_read_inputs_offer_no_progress_and_no_special_tokens():
+    commands = _subparsers()
+    for command in ("generate", "evaluate", "finetune"):
+        assert {"--no-progress", "--no-special-tokens"} <= set(commands[command]._option_string_actions), command
+    assert "--no-progress" in commands["demo"]._option_string_actions
+
+
 def test_no_command_and_unknown_command_are_usage_errors(capsys):
     assert run_cli(capsys)[0] == 2
     code, _, err = run_cli(capsys, "translate")
@@ -317,11 +334,20 @@ def test_a_drafter_with_another_tokenizer_is_refused(capsys, pair_dirs, odd_pair
     other = odd_pairs["other-tokenizer"]
     assert f"--drafter: the drafter's tokenizer ({other}) differs from the tokenizer in use ({verifier_dir})" in err
     assert "74 of the ids both have map to different tokens" in err and "Traceback" not in err
-    # --tokenizer is compared with the verifier's own tokenizer too
+    assert "use a drafter trained with the verifier's tokenizer" in err and "--tokenizer" not in err
+    # --tokenizer is compared with the verifier's own tokenizer too, and the advice names the verifier's tokenizer as
+    # the one to use (another drafter would not help)
     code, _, err = run_cli(capsys, "generate", "--verifier", verifier_dir, "--drafter", verifier_dir, "--tokenizer",
                            other, "--prompt", "a")
-    assert code == 1
+    assert code == 1 and len(err.strip().splitlines()) == 1
     assert f"--tokenizer: the verifier's tokenizer ({verifier_dir}) differs from the tokenizer in use ({other})" in err
+    assert "so that must be the verifier's own tokenizer: leave out --tokenizer" in err and "use a drafter" not in err
+    # a --tokenizer that the verifier's folder cannot confirm may be the wrong one: the advice says so
+    code, _, err = run_cli(capsys, "generate", "--verifier", odd_pairs["short-drafter"], "--drafter", other,
+                           "--tokenizer", verifier_dir, "--prompt", "a")
+    assert code == 1 and "--drafter: the drafter's tokenizer" in err
+    assert ("use a drafter trained with the verifier's tokenizer (or, if --tokenizer is not the verifier's tokenizer, "
+            "pass the verifier's)") in err
 
 
 def test_evaluate_bad_inputs(capsys, pair_dirs, tmp_path):
@@ -352,7 +378,11 @@ def test_finetune_saves_a_loadable_drafter(capsys, pair_dirs, tasks_file, tmp_pa
                              "--output", str(out_dir), "--no-progress", "--method", "scdf", "--weight-basis", "kl",
                              "--per-character")
     assert code == 0, err
-    assert "saved the finetuned drafter" in out and "U (kl)" in out
+    assert "saved the finetuned drafter" in out
+    # the basis column holds per-character figures; the CE and KL columns stay per token
+    assert "| step | U (kl, per character) | U (CE, per token) | U (KL, per token) |" in out
+    summary = next(line for line in out.splitlines() if line.startswith("U ("))
+    assert summary.startswith("U (kl, per character) ") and "U (kl)" not in out
     assert "evaluated on 1 held-out text(s) per task, not trained on (--eval-fraction 0.1, --split-seed 0)" in out
     finetuned = AutoModelForCausalLM.from_pretrained(out_dir, local_files_only=True)
     original = AutoModelForCausalLM.from_pretrained(drafter_dir, local_files_only=True)
@@ -369,6 +399,7 @@ def test_finetune_evaluation_texts_and_positions(capsys, pair_dirs, odd_pairs, t
               "1", "--batch-size-per-task", "2", "--seq-len", "16", "--no-progress"]
     code, out, err = run_cli(capsys, *common, "--eval-fraction", "0", "--output", str(tmp_path / "a"))
     assert code == 0 and "evaluated on training texts (--eval-fraction 0)" in out, err
+    assert "| step | U (ce) | U (CE) | U (KL) |" in out and "per character" not in out
     code, out, err = run_cli(capsys, *common, "--eval-tasks", str(tasks_file), "--task-names", "copy",
                              "--output", str(tmp_path / "b"))
     assert code == 0 and f"evaluated on --eval-tasks {tasks_file}" in out, err
@@ -387,10 +418,6 @@ def test_finetune_bad_inputs(capsys, pair_dirs, tasks_file, tmp_path):
     common = ["--verifier", verifier_dir, "--drafter", drafter_dir, "--output", str(tmp_path / "o")]
     code, _, err = run_cli(capsys, "finetune", *common, "--tasks", str(tasks_file), "--method", "magic")
     assert code == 2 and "--method" in err
-    code, _, err = run_cli(capsys, "finetune", *common, "--tasks", str(tasks_file), "--method", "balanced",
-                           "--per-character")
-    assert code == 2 and ("argument --per-character: per_character=True reweights the tasks of method 'scdf' or "
-                          "'exact_variance'; method 'balanced' has no per-task weights") in err
     code, _, err = run_cli(capsys, "finetune", *common, "--tasks", str(tmp_path / "none.tsv"))
     assert code == 2 and "none.tsv" in err
     code, _, err = run_cli(capsys, "finetune", *common, "--tasks", str(tasks_file), "--lr", "0")
@@ -407,30 +434,56 @@ def test_finetune_bad_inputs(capsys, pair_dirs, tasks_file, tmp_path):
         assert code == 2 and f"argument {option}" in err, err
 
 
-@pytest.mark.parametrize(("setting", "value"), [
-    ("method", "magic"), ("weight_basis", "js"), ("weight_floor", -1.0), ("steps", -1), ("batch_size_per_task", 0),
-    ("seq_len", 1), ("lr", 0.0), ("lr", "fast"), ("eval_every", 0), ("eval_fraction", 1.0), ("eval_examples", 0),
-    ("split_seed", -1), ("seed", 2**64), ("per_character", "yes"),
-])
-def test_finetune_config_errors_name_the_option_of_their_field(setting, value):
-    """The CLI names the option of a refused FinetuneConfig field by the field its message starts with."""
-    from specdec.cli import _setting_option, build_parser
+@pytest.mark.parametrize("command, option", [("finetune", "--seed"), ("finetune", "--split-seed"),
+                                             ("generate", "--seed"), ("evaluate", "--seed")])
+@pytest.mark.parametrize("value", [str(2**64), "-1"])
+def test_seeds_outside_the_range_are_refused_naming_the_option(capsys, pair_dirs, tasks_file, tmp_path, command,
+                                                               option, value):
+    verifier_dir, drafter_dir = pair_dirs
+    source = {"finetune": ["--tasks", str(tasks_file), "--output", str(tmp_path / "o")],
+              "generate": ["--prompt", "a"], "evaluate": ["--tasks", str(tasks_file)]}[command]
+    code, out, err = run_cli(capsys, command, "--verifier", verifier_dir, "--drafter", drafter_dir, *source, option,
+                             value)
+    assert code == 2 and out == ""
+    assert f"argument {option}: expected an integer in [0, 2**64), got {value}" in err, err
+
+
+def test_the_largest_seed_is_accepted(capsys, pair_dirs):
+    verifier_dir, drafter_dir = pair_dirs
+    code, out, err = run_cli(capsys, "generate", "--verifier", verifier_dir, "--drafter", drafter_dir, "--prompt",
+                             "a", "--seed", str(2**64 - 1), "--temperature", "1", "--max-new-tokens", "2", "--json")
+    assert code == 0 and json.loads(out)["generated_tokens"] == 2, err
+
+
+@pytest.mark.parametrize("method", ["uniform_kd", "balanced"])
+def test_per_character_needs_a_method_with_task_weights(capsys, pair_dirs, tasks_file, tmp_path, method):
+    from specdec.finetune import PER_CHARACTER_METHODS
+
+    verifier_dir, drafter_dir = pair_dirs
+    code, out, err = run_cli(capsys, "finetune", "--verifier", verifier_dir, "--drafter", drafter_dir, "--tasks",
+                             str(tasks_file), "--output", str(tmp_path / "o"), "--method", method, "--per-character")
+    assert code == 2 and out == "" and not (tmp_path / "o").exists()
+    message = err.strip().splitlines()
+    assert len(message) == 1 and message[0].startswith("specdec finetune: error: argument --per-character: ")
+    assert all(allowed in message[0] for allowed in PER_CHARACTER_METHODS) and f"--method {method}" in message[0]
+
+
+@pytest.mark.parametrize("error", [ValueError("weight_floor must be at most 1, got 2.0"),
+                                   TypeError("steps must be an int, got float")])
+def test_another_refused_finetune_setting_is_reported_with_its_message(capsys, monkeypatch, pair_dirs, tasks_file,
+                                                                      tmp_path, error):
+    """A setting the options' types let through but FinetuneConfig refuses: a usage error of its message alone."""
     from specdec.finetune import FinetuneConfig
 
-    with pytest.raises((TypeError, ValueError)) as caught:
-        FinetuneConfig(**{setting: value})
-    assert str(caught.value).startswith(setting)
-    commands = next(action for action in build_parser()._actions if action.dest == "command")
-    option = _setting_option(caught.value)
-    assert option == "--" + setting.replace("_", "-")
-    assert option in commands.choices["finetune"]._option_string_actions
+    def refuse(self):
+        raise error
 
-
-def test_an_error_naming_no_finetune_setting_gets_no_option():
-    from specdec.cli import _setting_option
-
-    assert _setting_option(ValueError("seeds must differ")) is None  # 'seed' only as a whole word
-    assert _setting_option(ValueError("tasks are empty")) is None
+    monkeypatch.setattr(FinetuneConfig, "__post_init__", refuse)
+    verifier_dir, drafter_dir = pair_dirs
+    code, out, err = run_cli(capsys, "finetune", "--verifier", verifier_dir, "--drafter", drafter_dir, "--tasks",
+                             str(tasks_file), "--output", str(tmp_path / "o"), "--weight-floor", "2", "--steps", "1")
+    assert code == 2 and out == ""
+    assert err == f"specdec finetune: error: {error}\n"
 
 
 # ----------------------------------------------------------------------------------------------------------- bench
