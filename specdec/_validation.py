@@ -86,22 +86,19 @@ def eos_id_list(eos_token_id: int | Sequence[int] | torch.Tensor | None, vocab: 
     return ids
 
 
-_BOUNDS = {2**63: "2**63", 2**64: "2**64"}  # upper bounds written as powers in messages
+_BOUNDS = {2**64: "2**64"}  # upper bounds written as powers in messages
 
 
-def check_int_range(value: object, name: str, low: int, high: int, *, allow_none: bool = False,
+def check_int_range(value: object, name: str, low: int, high: int | None, *, allow_none: bool = False,
                     note: str = "") -> int | None:
     """``value`` as a Python int if it is an integer (Python, numpy, a one-element integer tensor; not a bool) in
-    ``[low, high)``, else ValueError naming ``name`` and the range (``high = 2**63``: no upper bound in practice,
-    the message names the lower bound only)."""
+    ``[low, high)`` (``high=None``: no upper bound), else ValueError naming ``name`` and the range."""
     if value is None and allow_none:
         return None
     number = as_int(value)
-    if number is None or not low <= number < high:
-        if high == 2**63 and (number is None or number < low):
-            expected = f"an integer >= {low}"
-        else:
-            expected = f"an int in [{low}, {_BOUNDS.get(high, str(high))})"
+    if number is None or number < low or (high is not None and number >= high):
+        expected = (f"an integer >= {low}" if high is None
+                    else f"an int in [{low}, {_BOUNDS.get(high, str(high))})")
         raise ValueError(f"{name} must be {'None or ' if allow_none else ''}{expected}{note}, got {value!r}")
     return number
 
@@ -109,7 +106,7 @@ def check_int_range(value: object, name: str, low: int, high: int, *, allow_none
 def check_int_at_least(value: object, name: str, minimum: int, *, allow_none: bool = False) -> int | None:
     """``value`` as a Python int if it is an integer >= ``minimum`` (see :func:`check_int_range`; or None when
     allowed), else ValueError naming ``name``."""
-    return check_int_range(value, name, minimum, 2**63, allow_none=allow_none)
+    return check_int_range(value, name, minimum, None, allow_none=allow_none)
 
 
 def check_number(value: object, name: str, minimum: float, *, strict: bool = False) -> float:

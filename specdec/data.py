@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec._paths import BUILTIN_DATA_DIR
-from specdec._validation import check_int_range
+from specdec._validation import check_int_at_least
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Task containers
@@ -186,7 +186,7 @@ def generate_examples(task: str, num_examples: int, *, seed: int = 0, split: str
     """``num_examples`` deterministic examples of one built-in task; ``split`` selects an independent stream."""
     if task not in TASK_GENERATORS:
         raise ValueError(f"unknown built-in task {task!r}; available: {', '.join(TASK_NAMES)}")
-    num_examples = check_int_range(num_examples, "num_examples", 0, 2**63)
+    num_examples = check_int_at_least(num_examples, "num_examples", 0)
     rng = _task_rng(seed, task, split)
     generator = TASK_GENERATORS[task]
     return [Example(task, *generator(rng)) for _ in range(num_examples)]
@@ -221,7 +221,7 @@ def sample_mixture(
     unknown = sorted(set(weights) - set(TASK_GENERATORS))
     if unknown:
         raise ValueError(f"unknown built-in task(s) {unknown}; available: {', '.join(TASK_NAMES)}")
-    num_examples = check_int_range(num_examples, "num_examples", 0, 2**63)
+    num_examples = check_int_at_least(num_examples, "num_examples", 0)
     if any(isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0
            for w in weights.values()) or sum(weights.values()) <= 0:
         raise ValueError(f"weights must be finite non-negative numbers with a positive sum, got {dict(weights)}")
@@ -544,7 +544,7 @@ def load_tasks(path: str | Path, *, max_examples: int | None = None, as_task_dat
     if names is not None:
         tasks = _select(tasks, names, where)
     if max_examples is not None:
-        max_examples = check_int_range(max_examples, "max_examples", 1, 2**63)
+        max_examples = check_int_at_least(max_examples, "max_examples", 1)
         tasks = {name: TaskTexts(entry.prompts[:max_examples], entry.texts[:max_examples])
                  for name, entry in tasks.items()}
     if not as_task_data:

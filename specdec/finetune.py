@@ -47,9 +47,9 @@ from typing import Any
 
 import torch
 
-from specdec._models import check_model_pair, model_device, model_vocab_size
+from specdec._models import check_model_pair, model_device
 from specdec._validation import check_backend, check_int_at_least, check_int_range, check_number
-from specdec.compat import check_task_texts, pair_positions, resolve_vocab_size
+from specdec.compat import check_task_texts, pair_positions, shared_vocab_size
 from specdec.fairness import unfairness
 from specdec.finetune_checkpoint import (
     CHECKPOINT_FORMAT,
@@ -264,13 +264,14 @@ class FinetuneResult:
         return self.history[-1]
 
 
-def _tokenize_tasks(tasks: object, tokenizer: Any, name: str, add_special_tokens: bool,
-                    vocab_size: int) -> tuple[dict[str, list[tuple[int, list[int]]]], dict[str, float]]:
+def _tokenize_tasks(tasks: object, tokenizer: Any, name: str, add_special_tokens: bool, vocab_size: int,
+                    count_chars: bool = True) -> tuple[dict[str, list[tuple[int, list[int]]]], dict[str, float]]:
     """Every text of ``tasks`` encoded once: ``{task: [(index of the text, its token ids), ...]}`` keeping the texts
     of at least 2 tokens, and ``{task: rho}``, the characters per token ``sum len(text) / sum len(token ids)`` over
     the kept texts, for the tasks whose characters can be counted (strings, or token-id lists with a tokenizer to
-    decode them). Token ids outside ``[0, vocab_size)`` raise ValueError naming the text; with a tokenizer, a task
-    whose text it does not cover is warned about (:func:`specdec.compat.check_task_texts`)."""
+    decode them); ``count_chars=False`` counts none (empty ``{}``, no ``decode`` call). Token ids outside
+    ``[0, vocab_size)`` raise ValueError naming the text; with a tokenizer, a task whose text it does not cover is
+    warned about (:func:`specdec.compat.check_task_texts`)."""
     if not isinstance(tasks, Mapping):
         raise TypeError(f"{name} must be a mapping from task name to a list of texts or token-id lists, "
                         f"got {type(tasks).__name__}")
@@ -282,7 +283,8 @@ def _tokenize_tasks(tasks: object, tokenizer: Any, name: str, add_special_tokens
     for task, items in tasks.items():
         if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
             raise TypeError(f"{name}[{task!r}] must be a list of texts or token-id lists, got {type(items).__name__}")
-        encoded, chars = encode_items(items, tokenizer, f"{name}[{task!r}]", add_special_tokens, vocab_size)
+        encoded, chars = encode_items(items, tokenizer, f"{name}[{task!r}]", add_special_tokens, vocab_size,
+                                      count_chars=count_chars)
         kept = [index for index, ids in enumerate(encoded) if len(ids) >= 2]
         if not kept:
             raise ValueError(f"{name}[{task!r}] has no text of at least 2 tokens")
@@ -527,19 +529,20 @@ def finetune_drafter(
 
     device = _check_models(drafter, verifier)
     cfg = resolve_config(config, settings)
-    vocab_size = resolve_vocab_size(verifier, drafter, vocab_size) or model_vocab_size(verifier)
+    vocab_size = shared_vocab_size(verifier, drafter, vocab_size, tokenizer=tokenizer)
     check_int_range(pad_token_id, "pad_token_id", 0, vocab_size)
     check_seq_len(cfg.seq_len, verifier, drafter)
     autocast = device.type == "cuda" if cfg.autocast is None else bool(cfg.autocast)
 
-    tokenized, measured = _tokenize_tasks(tasks, tokenizer, "tasks", add_special_tokens, vocab_size)
+    count_chars = cfg.per_character and chars_per_token is None  # rho measured on the texts only then
+    tokenized, measured = _tokenize_tasks(tasks, tokenizer, "tasks", add_special_tokens, vocab_size, count_chars)
     names = list(tokenized)
     held_out = None
     eval_measured: dict[str, float] = {}
     if eval_tasks is not None:
         corpus_map = {n: [t for _, t in rows] for n, rows in tokenized.items()}
         eval_tokenized, eval_measured = _tokenize_tasks(eval_tasks, tokenizer, "eval_tasks", add_special_tokens,
-                                                        vocab_size)
+                                                        vocab_size, count_chars)
         eval_tokens = {n: [t for _, t in rows] for n, rows in eval_tokenized.items()}
     elif cfg.eval_fraction == 0:  # evaluated on training texts, as asked
         corpus_map = {n: [t for _, t in rows] for n, rows in tokenized.items()}
@@ -554,8 +557,8 @@ def finetune_drafter(
     corpus = [corpus_map[n] for n in names]
     num_tasks = len(names)
     rho_map = _resolve_chars_per_token(chars_per_token, cfg.per_character, names, measured, eval_measured)
-    rho = (torch.tensor([rho_map[n] for n in names], dtype=torch.float64, device=device)
-           if cfg.per_character else None)
+    rho_list = [rho_map[n] for n in names] if rho_map is not None else None  # [m] in task order
+    rho = torch.tensor(rho_list, dtype=torch.float64, device=device) if cfg.per_character else None
 
     distributed = dist.is_available() and dist.is_initialized()
     world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
@@ -572,7 +575,7 @@ def finetune_drafter(
                     "temperature": cfg.temperature, "seed": cfg.seed, "normalize_weights": cfg.normalize_weights,
                     "eval_fraction": cfg.eval_fraction, "split_seed": cfg.split_seed,
                     "tasks_digest": tasks_digest(corpus, eval_tokens), "per_character": cfg.per_character,
-                    "chars_per_token": [rho_map[n] for n in names] if cfg.per_character else None}
+                    "chars_per_token": rho_list if cfg.per_character else None}
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     generator = torch.Generator().manual_seed(cfg.seed)
     ckpt_path = os.path.join(os.fspath(cfg.checkpoint_dir), CHECKPOINT_NAME) if cfg.checkpoint_dir is not None else None
@@ -649,7 +652,7 @@ def finetune_drafter(
             if callback is not None:
                 callback(step, {"loss": objective, "weights": weights.tolist(), "task_values": basis.tolist(),
                                 "grad_norm": grad_norm,
-                                "chars_per_token": [rho_map[n] for n in names] if rho_map else None})
+                                "chars_per_token": None if rho_list is None else list(rho_list)})
             is_last = step == cfg.steps
             if is_last or (cfg.eval_every is not None and step % cfg.eval_every == 0):
                 evaluate_now(step, sum(since_eval) / len(since_eval))

@@ -152,14 +152,35 @@ def per_character_weights(per_task_values: torch.Tensor, chars_per_token: torch.
     ``K_i`` in the objective ``sum_i w_i K_i / rho_i``.
 
     Args:
-        per_task_values: [m] values ``v_i`` of the weight basis. chars_per_token: [m] ``rho_i`` (> 0; not checked
-            here). With ``rho_i = 1`` for every task the values, weights and multipliers are the per-token ones.
+        per_task_values: [m] values ``v_i`` of the weight basis. chars_per_token: [m] ``rho_i``, finite and > 0
+            (ValueError otherwise). With ``rho_i = 1`` for every task the values, weights and multipliers are the
+            per-token ones.
         method, floor, normalize, present: see :func:`scdf_weights`.
     """
+    _check_chars_per_token(chars_per_token, per_task_values)
     rho = chars_per_token.detach().to(per_task_values.device, torch.float64)
     values = per_task_values.detach().double() / rho
     weights = scdf_weights(values, method=method, floor=floor, normalize=normalize, present=present)
     return CharacterWeights(values, weights, (weights.double() / rho).float())
+
+
+def _check_chars_per_token(chars_per_token: torch.Tensor, per_task_values: torch.Tensor) -> None:
+    """TypeError / ValueError naming ``chars_per_token`` unless it is a float tensor [m] shaped like the [m]
+    ``per_task_values``, every entry finite and > 0 (one device sync)."""
+    for name, tensor in (("per_task_values", per_task_values), ("chars_per_token", chars_per_token)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of shape [m], got {type(tensor).__name__}")
+    if per_task_values.dim() != 1:
+        raise ValueError(f"per_task_values must have shape [m], got {tuple(per_task_values.shape)}")
+    if chars_per_token.shape != per_task_values.shape:
+        raise ValueError(f"chars_per_token must have shape [m] = {tuple(per_task_values.shape)} like per_task_values "
+                         f"(one characters-per-token value per task), got {tuple(chars_per_token.shape)}")
+    if not chars_per_token.dtype.is_floating_point:
+        raise TypeError(f"chars_per_token must be a float tensor [m], got {chars_per_token.dtype}")
+    rho = chars_per_token.detach()
+    if not bool((torch.isfinite(rho) & (rho > 0)).all()):
+        raise ValueError(f"chars_per_token must be > 0 and finite for every task (characters per token), got "
+                         f"{rho.tolist()}")
 
 
 class ScdfLoss(NamedTuple):
@@ -197,8 +218,6 @@ def scdf_loss(task_losses: torch.Tensor | Sequence[torch.Tensor],
         rho = torch.ones_like(basis)
     else:
         rho = _as_task_vector(chars_per_token, "chars_per_token", like=task_losses)
-        if not bool((rho > 0).all()):
-            raise ValueError(f"chars_per_token must be > 0 for every task, got {rho.tolist()}")
     _, weights, multipliers = per_character_weights(basis, rho, method=method, floor=floor, normalize=normalize,
                                                     present=present)
     terms = multipliers.to(task_losses.device, task_losses.dtype) * task_losses

@@ -28,12 +28,13 @@ def decoded_length(tokenizer: Any, ids: list[int]) -> int:
 
 def encode_items(items: Sequence[str] | Sequence[Sequence[int]], tokenizer: Any, name: str,
                  add_special_tokens: bool = False,
-                 vocab: int | None = None) -> tuple[list[list[int]], list[int | None]]:
+                 vocab: int | None = None, *,
+                 count_chars: bool = True) -> tuple[list[list[int]], list[int | None]]:
     """Token ids and character counts of a list of texts or token-id lists.
 
     Strings are encoded with ``tokenizer.encode(text, add_special_tokens=...)``; token-id lists pass through (their
     character count comes from ``tokenizer.decode(..., skip_special_tokens=True)`` when a tokenizer is given, else
-    None).
+    None). ``count_chars=False`` counts nothing (every count None; no ``decode`` call).
     Returns ``(token_lists, char_counts)``. With ``vocab``, ids outside ``[0, vocab)`` raise ValueError.
     """
     token_lists: list[list[int]] = []
@@ -44,12 +45,12 @@ def encode_items(items: Sequence[str] | Sequence[Sequence[int]], tokenizer: Any,
                 raise ValueError(f"{name}[{index}] is a string: pass tokenizer= to encode text "
                                  "(or give token-id lists)")
             ids = list(tokenizer.encode(item, add_special_tokens=add_special_tokens))
-            chars.append(len(item))
+            chars.append(len(item) if count_chars else None)
         elif isinstance(item, (Sequence, torch.Tensor)) and not isinstance(item, bytes):
             ids = item.tolist() if isinstance(item, torch.Tensor) else list(item)
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise TypeError(f"{name}[{index}] must be a string or a list of int token ids")
-            chars.append(decoded_length(tokenizer, ids) if tokenizer is not None else None)
+            chars.append(decoded_length(tokenizer, ids) if tokenizer is not None and count_chars else None)
         else:
             raise TypeError(f"{name}[{index}] must be a string or a list of int token ids, got {type(item).__name__}")
         if vocab is not None and ids and not 0 <= min(ids) <= max(ids) < vocab:

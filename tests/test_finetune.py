@@ -624,3 +624,82 @@ def test_a_per_token_checkpoint_is_not_resumed_per_character(tmp_path):
     with pytest.raises(CheckpointError, match="different settings.*chars_per_token, per_character"):
         finetune_drafter(drafter, verifier, make_tasks(), checkpoint_dir=tmp_path, per_character=True,
                          chars_per_token={"a": 1.0, "b": 2.0}, **{**SMALL, "steps": 3})
+
+
+def test_characters_are_counted_only_when_rho_is_measured(monkeypatch):
+    """Token-id texts are decoded to count characters only with per_character and no chars_per_token."""
+    from specdec import data
+
+    tokenizer = data.build_char_tokenizer()
+    cls = type(tokenizer)
+    decode, decoded = cls.decode, []
+
+    def counting_decode(self, ids, *args, **kwargs):
+        decoded.append(list(ids))
+        return decode(self, ids, *args, **kwargs)
+
+    texts = {"short": ["12+3=15;", "4+4=8;", "7+1=8;"], "long": ["the red fox sees a bird.", "a cat.", "no wolf."]}
+    tasks = {name: [tokenizer.encode(t) for t in group] for name, group in texts.items()}
+    monkeypatch.setattr(cls, "decode", counting_decode)
+    verifier = build_tiny_llama(vocab_size=len(tokenizer), hidden_size=16, num_layers=1, seed=0)
+    drafter = build_tiny_llama(vocab_size=len(tokenizer), hidden_size=16, num_layers=1, seed=1)
+    run = {**SMALL, "steps": 1, "eval_fraction": 0}
+    per_token = finetune_drafter(copy.deepcopy(drafter), verifier, tasks, tokenizer=tokenizer, **run)
+    assert decoded == [] and per_token.chars_per_token is None and "U_char_ce" not in per_token.final
+    given = {"short": 1.0, "long": 2.0}
+    with_given = finetune_drafter(copy.deepcopy(drafter), verifier, tasks, tokenizer=tokenizer, per_character=True,
+                                  chars_per_token=given, **run)
+    assert decoded == [] and with_given.chars_per_token == given
+    measured = finetune_drafter(copy.deepcopy(drafter), verifier, tasks, tokenizer=tokenizer, per_character=True,
+                                **run)
+    assert sorted(map(tuple, decoded)) == sorted(tuple(ids) for group in tasks.values() for ids in group)
+    for name, group in texts.items():  # one token per character: rho = 1
+        assert measured.chars_per_token[name] == pytest.approx(sum(map(len, group)) / sum(map(len, tasks[name])))
+    assert measured.final["U"] == measured.final["U_char_ce"]
+
+
+def test_differing_output_sizes_are_reported_as_evaluate_reports_them():
+    from specdec import data
+    from specdec.compat import shared_vocab_size
+
+    tokenizer = data.build_char_tokenizer()
+    verifier = build_tiny_llama(vocab_size=len(tokenizer) + 8, hidden_size=16, num_layers=1, seed=0)
+    drafter = build_tiny_llama(vocab_size=len(tokenizer) + 24, hidden_size=16, num_layers=1, seed=1)
+    with pytest.raises(ValueError) as expected:
+        shared_vocab_size(verifier, drafter, tokenizer=tokenizer)
+    assert f"pass vocab_size={len(tokenizer)} (the tokenizer has {len(tokenizer)} tokens)" in str(expected.value)
+    tasks = {"a": ["12+3=15;", "4+4=8;"], "b": ["the fox.", "a cat."]}
+    with pytest.raises(ValueError) as got:
+        finetune_drafter(drafter, verifier, tasks, tokenizer=tokenizer, **SMALL)
+    assert str(got.value) == str(expected.value)
+
+
+def test_a_checkpoint_from_before_per_character_resumes_per_token_only(tmp_path):
+    """A checkpoint whose settings lack per_character and chars_per_token was a per-token run: it resumes one exactly
+    and is refused to a per-character run."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from specdec.finetune_checkpoint import weights_digest
+
+    verifier, drafter0 = make_pair()
+    tasks = make_tasks()
+    full = copy.deepcopy(drafter0)
+    finetune_drafter(full, verifier, tasks, **SMALL)
+    finetune_drafter(copy.deepcopy(drafter0), verifier, tasks, checkpoint_dir=tmp_path, **{**SMALL, "steps": 2})
+    path = str(tmp_path / CHECKPOINT_NAME)
+    ckpt = load_checkpoint(path)
+    meta = ckpt["meta"]
+    assert meta["config"].pop("per_character") is False and meta["config"].pop("chars_per_token") is None
+    meta_json = json.dumps(meta, sort_keys=True)
+    save_file(ckpt["tensors"], path, metadata={"specdec": meta_json, "sha256": weights_digest(ckpt["tensors"],
+                                                                                              meta_json)})
+    with pytest.raises(CheckpointError, match=r"different settings \(chars_per_token, per_character\); use another"):
+        finetune_drafter(copy.deepcopy(drafter0), verifier, tasks, checkpoint_dir=tmp_path, per_character=True,
+                         chars_per_token={"a": 1.0, "b": 2.0}, **SMALL)
+    assert "per_character" not in load_checkpoint(path)["meta"]["config"], "a refused resume leaves the file alone"
+    resumed = copy.deepcopy(drafter0)
+    result = finetune_drafter(resumed, verifier, tasks, checkpoint_dir=tmp_path, **SMALL)
+    assert result.resumed_from == 2 and [h["step"] for h in result.history] == [0, 2, 4]
+    assert weights_equal(resumed, full)

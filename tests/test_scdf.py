@@ -280,3 +280,23 @@ def test_per_character_weights_and_loss():
         scdf_loss(k, chars_per_token=[1.0, 0.0, 2.0])
     with pytest.raises(ValueError, match="chars_per_token must have shape"):
         scdf_loss(k, chars_per_token=[1.0, 2.0])
+
+
+@pytest.mark.parametrize(("rho", "error", "needle"), [
+    (torch.tensor([1.0, 2.0]), ValueError, r"chars_per_token must have shape \[m\] = \(3,\) like per_task_values"),
+    (torch.ones(3, 1), ValueError, r"chars_per_token must have shape \[m\] = \(3,\)"),
+    (torch.tensor([1.0, 0.0, 2.0]), ValueError, r"chars_per_token must be > 0 and finite for every task"),
+    (torch.tensor([1.0, -1.0, 2.0]), ValueError, r"chars_per_token must be > 0 and finite"),
+    (torch.tensor([1.0, float("inf"), 2.0]), ValueError, r"chars_per_token must be > 0 and finite"),
+    (torch.tensor([1.0, float("nan"), 2.0]), ValueError, r"chars_per_token must be > 0 and finite"),
+    (torch.tensor([1, 2, 3]), TypeError, r"chars_per_token must be a float tensor \[m\]"),
+    ([1.0, 2.0, 3.0], TypeError, r"chars_per_token must be a torch.Tensor of shape \[m\]"),
+])
+def test_per_character_weights_check_chars_per_token(rho, error, needle):
+    from specdec.losses import per_character_weights
+
+    values = torch.tensor([0.5, 1.2, 0.9])
+    with pytest.raises(error, match=needle):
+        per_character_weights(values, rho)
+    good = per_character_weights(values, torch.tensor([1.0, 4.0, 1.5]))
+    torch.testing.assert_close(good.values, values.double() / torch.tensor([1.0, 4.0, 1.5], dtype=torch.float64))
