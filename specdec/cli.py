@@ -297,7 +297,7 @@ def command_evaluate(args: argparse.Namespace) -> int:
         max_examples=args.max_examples, cost_ratio=args.cost_ratio, seed=args.seed, progress=not args.no_progress,
         backend=args.backend, max_length=max_length, eos_token_id=tokenizer.eos_token_id, vocab_size=vocab_size,
         add_special_tokens=not args.no_special_tokens, wall_clock=args.wall_clock,
-        wall_clock_repeats=args.wall_clock_repeats,
+        wall_clock_repeats=args.wall_clock_repeats, wall_clock_baseline=args.wall_clock_baseline,
     )
     print(report.to_markdown())
     written = _write_report(report, args.output_dir, f"specdec fairness report: {args.tasks}")
@@ -485,6 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "generate on the same prompts; costs repeats + 1 more generation passes of each)")
     evaluate.add_argument("--wall-clock-repeats", type=_positive_int, default=3, metavar="N",
                           help="timed repetitions of the wall-clock measurement (default: 3)")
+    evaluate.add_argument("--wall-clock-baseline", choices=("hf", "specdec"), default="hf",
+                          help="plain decoding to time against: the verifier's own generate (hf, default) or "
+                               "specdec.generate with no drafts on the same path (specdec: speculation's own speed-up)")
     evaluate.add_argument("--output-dir", type=Path, default=None,
                           help="write report.md, report.json and report.png here")
     _add_input_options(evaluate, "texts")

@@ -247,6 +247,15 @@ def test_evaluate_writes_the_report(capsys, pair_dirs, tasks_file, tmp_path):
     report = json.loads((out_dir / "report.json").read_text())
     assert {row["name"] for row in report["tasks"]} == {"count", "copy"}
     assert all(row["speedup_measured"] > 0 for row in report["tasks"]), "the wall clock is measured by default"
+    assert report["summary"]["wall_clock_baseline"] == "hf"
+    code, out, err = run_cli(capsys, "evaluate", "--verifier", verifier_dir, "--drafter", drafter_dir, "--tasks",
+                             str(tasks_file), "--max-new-tokens", "4", "--cost-ratio", "0.5", "--no-progress",
+                             "--wall-clock-baseline", "specdec", "--wall-clock-repeats", "1",
+                             "--output-dir", str(tmp_path / "same_path"))
+    assert code == 0, err
+    same_path = json.loads((tmp_path / "same_path" / "report.json").read_text())
+    assert same_path["summary"]["wall_clock_baseline"] == "specdec"
+    assert all(row["speedup_measured"] > 0 for row in same_path["tasks"])
     code, out, err = run_cli(capsys, "evaluate", "--verifier", verifier_dir, "--drafter", drafter_dir, "--tasks",
                              str(tasks_file), "--max-new-tokens", "4", "--cost-ratio", "0.5", "--no-progress",
                              "--no-wall-clock", "--output-dir", str(tmp_path / "fast"))
