@@ -60,7 +60,7 @@ from specdec.finetune_checkpoint import (
     save_checkpoint,
     tasks_digest,
 )
-from specdec.losses import per_character_weights, token_weights_unchecked
+from specdec.losses import per_character_weights_unchecked, token_weights_unchecked
 from specdec.teacher_forcing import (
     encode_items,
     pad_batch,
@@ -463,7 +463,7 @@ def _step_weights(cfg: FinetuneConfig, task_ids: torch.Tensor, div: Any, num_tas
         token_weights = torch.full_like(task_ids, 1.0, dtype=torch.float32) / counts.sum().float()
         weights = counts.float() / counts.sum().float()
         return token_weights, weights, basis, float(stats[0].sum() / counts.sum())
-    basis, weights, multipliers = per_character_weights(
+    basis, weights, multipliers = per_character_weights_unchecked(
         basis, rho if cfg.per_character else torch.ones_like(counts),
         cfg.method if cfg.method in PER_CHARACTER_METHODS else "uniform", floor=cfg.weight_floor,
         normalize=cfg.normalize_weights, present=counts > 0)

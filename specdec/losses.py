@@ -158,6 +158,14 @@ def per_character_weights(per_task_values: torch.Tensor, chars_per_token: torch.
         method, floor, normalize, present: see :func:`scdf_weights`.
     """
     _check_chars_per_token(chars_per_token, per_task_values)
+    return per_character_weights_unchecked(per_task_values, chars_per_token, method, floor, normalize, present)
+
+
+def per_character_weights_unchecked(per_task_values: torch.Tensor, chars_per_token: torch.Tensor, method: str = "scdf",
+                                    floor: float = 0.0, normalize: bool = False,
+                                    present: torch.Tensor | None = None) -> CharacterWeights:
+    """:func:`per_character_weights` without the check of ``chars_per_token`` (no device sync), for the finetuning
+    step loop, whose ``rho`` is checked once before it."""
     rho = chars_per_token.detach().to(per_task_values.device, torch.float64)
     values = per_task_values.detach().double() / rho
     weights = scdf_weights(values, method=method, floor=floor, normalize=normalize, present=present)

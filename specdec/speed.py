@@ -298,12 +298,15 @@ class _SpeculativeSetup:
         """The seed of batch ``index``, for both methods: ``derive_seed(seed, index)``."""
         return derive_seed(self.seed, index)
 
-    def run(self, verifier: torch.nn.Module, drafter: torch.nn.Module, index: int) -> SpeculativeRun:
-        """``specdec.generate`` on batch ``index``, seeded with :meth:`batch_seed`."""
+    def run(self, verifier: torch.nn.Module, drafter: torch.nn.Module, index: int,
+            num_draft_tokens: int | None = None) -> SpeculativeRun:
+        """``specdec.generate`` on batch ``index``, seeded with :meth:`batch_seed` (``num_draft_tokens``: in place
+        of the options', e.g. 0 for plain decoding on the same path)."""
         from specdec.generate import generate
 
         ids, mask = self.batches[index]
-        out = generate(verifier, drafter, ids, mask, seed=self.batch_seed(index), **self.options)
+        options = self.options if num_draft_tokens is None else {**self.options, "num_draft_tokens": num_draft_tokens}
+        out = generate(verifier, drafter, ids, mask, seed=self.batch_seed(index), **options)
         return SpeculativeRun(prompt_width=ids.shape[1], output=out)
 
 
@@ -400,13 +403,9 @@ def measure_wall_clock_speedup(verifier: torch.nn.Module, drafter: torch.nn.Modu
     runs: list[SpeculativeRun] = []
 
     def plain(index: int) -> int:
-        ids, mask = setup.batches[index]
         if baseline == "specdec":
-            from specdec.generate import generate
-
-            options = {**setup.options, "num_draft_tokens": 0}
-            out = generate(verifier, drafter, ids, mask, seed=setup.batch_seed(index), **options)
-            return int(out.stats.generated.sum())
+            return int(setup.run(verifier, drafter, index, num_draft_tokens=0).output.stats.generated.sum())
+        ids, mask = setup.batches[index]
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(setup.batch_seed(index))
             out = verifier.generate(input_ids=ids, attention_mask=mask, **plain_options)

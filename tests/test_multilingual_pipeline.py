@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import random
 import re
@@ -277,7 +278,7 @@ def test_repeated_runs_compare_the_latest_run_with_each_earlier_one():
     # latest (t3) against t1 and t2: two comparisons; variant b ran once; no generation figure: nan
     assert row[:4] == ["languages", "p", 1, 2]
     assert row[4] == pytest.approx(0.03) and row[5] == pytest.approx(0.02) and row[6] == 0 and row[8] == 0
-    assert row[7] != row[7]
+    assert math.isnan(row[7])
 
 
 def test_per_character_variant_uses_the_training_rho(smoke_run, monkeypatch):
@@ -316,6 +317,8 @@ def test_per_character_variant_uses_the_training_rho(smoke_run, monkeypatch):
 
 
 def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match=r"wall_clock_baseline must be one of \('hf', 'specdec'\), got 'eager'"):
+        ml_config.build_config("smoke", overrides={"wall_clock_baseline": "eager"})
     with pytest.raises(ValueError, match="unknown variant 'scdf_js'"):
         ml_config.build_config("smoke", overrides={"variants": ["none", "scdf_js"]})
     with pytest.raises(ValueError, match="variant 'uniform_kd_char': per_character=True reweights the tasks of method "

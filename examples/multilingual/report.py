@@ -34,49 +34,54 @@ def load_rows(results: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def latest_runs(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
-    """(experiment, pair, variant, world) -> {"summary": row, "tasks": [rows]} of the latest run of each."""
+def runs_by_time(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, dict[str, Any]]]:
+    """(experiment, pair, variant, world) -> time -> {"summary": row, "tasks": [rows]}: every run that wrote its
+    summary row."""
     groups: dict[tuple, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for row in rows:
         if row.get("kind") in ("task", "summary"):
             key = (row["experiment"], row["pair"], row["variant"], row.get("world_size", 1))
             groups[key][row["time"]].append(row)
-    out = {}
+    out: dict[tuple, dict[str, dict[str, Any]]] = {}
     for key, by_time in groups.items():
-        latest = by_time[max(by_time)]
-        summaries = [r for r in latest if r["kind"] == "summary"]
-        if summaries:
-            out[key] = {"summary": summaries[-1], "tasks": [r for r in latest if r["kind"] == "task"]}
+        for time, run_rows in by_time.items():
+            summaries = [r for r in run_rows if r["kind"] == "summary"]
+            if summaries:
+                out.setdefault(key, {})[time] = {"summary": summaries[-1],
+                                                 "tasks": [r for r in run_rows if r["kind"] == "task"]}
     return out
+
+
+def latest_runs(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
+    """(experiment, pair, variant, world) -> {"summary": row, "tasks": [rows]} of the latest run of each."""
+    return {key: by_time[max(by_time)] for key, by_time in runs_by_time(rows).items()}
 
 
 def repeated_runs(rows: list[dict[str, Any]]) -> list[list[Any]]:
     """Per (experiment, pair, world), the runs of a variant repeated with the same settings, the latest against each
     earlier one: how many comparisons, and the largest |Δ| over them of α_T (any task), mean α, α std, mean α in
-    generation and U on K_T."""
-    groups: dict[tuple, dict[str, dict[str, Any]]] = defaultdict(lambda: defaultdict(lambda: {"tasks": {}}))
-    for row in rows:
-        if row.get("kind") in ("task", "summary"):
-            run = groups[row["experiment"], row["pair"], row["variant"], row.get("world_size", 1)][row["time"]]
-            if row["kind"] == "task":
-                run["tasks"][row["task"]] = row.get("alpha")
-            else:
-                run["summary"] = row
+    generation and U on K_T (nan where no run has the figure)."""
     names = ("alpha_mean", "alpha_std", "alpha_measured_mean", "U_ce")
+
+    def difference(a: float | None, b: float | None) -> float:
+        return math.nan if a is None or b is None else abs(a - b)
+
     found: dict[tuple, list[list[float]]] = defaultdict(list)
-    for (experiment, pair, _variant, world), by_time in sorted(groups.items()):
-        times = sorted(t for t, run in by_time.items() if "summary" in run)
-        for earlier_time in times[:-1]:
-            latest, earlier = by_time[times[-1]], by_time[earlier_time]
-            deltas = [abs(a - earlier["tasks"][t]) for t, a in latest["tasks"].items()
-                      if a is not None and earlier["tasks"].get(t) is not None]
+    for (experiment, pair, _variant, world), by_time in sorted(runs_by_time(rows).items()):
+        latest = by_time[max(by_time)]
+        alphas = {r["task"]: r.get("alpha") for r in latest["tasks"]}
+        for time in sorted(by_time)[:-1]:
+            earlier = by_time[time]
+            deltas = [difference(alphas.get(r["task"]), r.get("alpha")) for r in earlier["tasks"]]
             found[experiment, pair, world].append(
-                [max(deltas, default=math.nan)] + [abs(latest["summary"][n] - earlier["summary"][n])
-                                                   if latest["summary"].get(n) is not None
-                                                   and earlier["summary"].get(n) is not None else math.nan
-                                                   for n in names])
-    return [[*key, len(diffs), *(max(column) for column in zip(*diffs, strict=True))]
+                [_largest(deltas)] + [difference(latest["summary"].get(n), earlier["summary"].get(n)) for n in names])
+    return [[*key, len(diffs), *(_largest(column) for column in zip(*diffs, strict=True))]
             for key, diffs in found.items()]
+
+
+def _largest(values: Any) -> float:
+    """The largest value that is not nan (nan when there is none)."""
+    return max((v for v in values if not math.isnan(v)), default=math.nan)
 
 
 def _get(row: dict[str, Any] | None, key: str) -> Any:
