@@ -1,7 +1,7 @@
 """Installs ``specdec``; the Triton kernels in ``kernels/`` are installed as ``specdec.kernels``, and the built-in
 evaluation data in ``specdec/datasets/`` (with its license and source note) as package data."""
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="specdec",
@@ -11,7 +11,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["specdec", "specdec.kernels"],
+    packages=[*find_packages(include=["specdec", "specdec.*"]), "specdec.kernels"],
     package_dir={"specdec": "specdec", "specdec.kernels": "kernels"},
     package_data={"specdec": ["datasets/*/*.tsv", "datasets/*/LICENSE.txt", "datasets/*/README.md",
                               "datasets/*/SHA256SUMS"]},

@@ -50,7 +50,7 @@ from common import (  # noqa: E402
     upsert_rows,
 )
 
-import specdec.divergences as sd  # noqa: E402
+import specdec.fairness.divergences as sd  # noqa: E402
 from specdec.kernels import divergence as kdiv  # noqa: E402
 
 SHAPES = ((16384, 32000), (1024, 151936), (4096, 151936), (16384, 151936))

@@ -51,7 +51,7 @@ import time
 import torch
 
 import specdec
-from specdec._fast_decode import clear_engines, get_engine
+from specdec.decoding.static import clear_engines, get_engine
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "generate.csv")
 SHAPES = {
@@ -133,7 +133,7 @@ def timed(fn, repeats: int) -> tuple[float, float, object]:
 
 def step_cost_ratio(verifier, drafter, batch: int, vocab: int, static: bool, compiled: bool = False) -> float:
     """c = one drafter decoding step / one verifier decoding step, on the static path (graph replays) or eager."""
-    from specdec._fast_decode import _median_seconds
+    from specdec.decoding.static import _median_seconds
 
     engine = get_engine(verifier, drafter, batch, 256, vocab, 1, 1, torch.device("cuda"), "auto", True, compiled)
     ids = torch.zeros((batch, 1), dtype=torch.int64, device="cuda")
@@ -254,7 +254,7 @@ def run_model(args, env: dict) -> list[dict]:
     """Every provider on every (batch, target alpha, K) of ``args``; rows are merged into ``args.out`` per batch."""
     rows = []
     if args.model == "demo":
-        from specdec.demo_pair import load_pair
+        from specdec.cli.demo_pair import load_pair
 
         pair = load_pair(args.demo_pair)
         verifier, drafter = pair.verifier.cuda(), pair.drafter.cuda()

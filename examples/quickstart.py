@@ -7,7 +7,7 @@ load it at once. Run: ``python examples/quickstart.py``.
 import torch
 
 import specdec
-from specdec.demo import get_demo_pair
+from specdec.cli.demo import get_demo_pair
 
 pair = get_demo_pair()  # cached under $SPECDEC_CACHE, $XDG_CACHE_HOME/specdec or ~/.cache/specdec
 tokenizer = pair.tokenizer

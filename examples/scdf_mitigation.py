@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     from specdec.data import load_tasks
     from specdec.fairness import CostRatio, TaskData, evaluate
-    from specdec.finetune import METHODS, FinetuneConfig, finetune_drafter
-    from specdec.speed import resolve_cost_ratio
+    from specdec.fairness.speed import resolve_cost_ratio
+    from specdec.training.finetune import METHODS, FinetuneConfig, finetune_drafter
 
     methods = args.methods.split(",")
     unknown = [m for m in methods if m != "none" and m not in METHODS]

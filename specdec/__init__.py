@@ -4,15 +4,11 @@
 and ``specdec.divergence`` are the fused kernels behind it and behind the fairness metrics.
 """
 
-from specdec import fairness, finetune, losses
+from specdec import data, decoding, fairness, training
 from specdec.compat import SpecdecWarning
-from specdec.divergences import (
-    DivergenceOutput,
-    PerTaskDivergence,
-    divergence,
-    divergence_loss,
-    fused_linear_divergence_loss,
-)
+from specdec.decoding.generation import GenerateOutput, SpecDecodeStats, clear_static_caches, generate
+from specdec.decoding.sampling import RejectionSampleOutput, filter_logits, rejection_sample
+from specdec.decoding.self_drafter import layer_skip_drafter
 from specdec.fairness import (
     CostRatio,
     FairnessReport,
@@ -24,12 +20,17 @@ from specdec.fairness import (
     measure_wall_clock_speedup,
     unfairness,
 )
-from specdec.finetune import CheckpointError, FinetuneConfig, FinetuneResult, finetune_drafter
-from specdec.generate import GenerateOutput, SpecDecodeStats, clear_static_caches, generate
-from specdec.losses import scdf_loss, scdf_weights
-from specdec.metrics import accepted_count_distribution, expected_tokens_per_call, speedup
-from specdec.sampling import RejectionSampleOutput, filter_logits, rejection_sample
-from specdec.self_drafter import layer_skip_drafter
+from specdec.fairness.divergences import (
+    DivergenceOutput,
+    PerTaskDivergence,
+    divergence,
+    divergence_loss,
+    fused_linear_divergence_loss,
+)
+from specdec.fairness.metrics import accepted_count_distribution, expected_tokens_per_call, speedup
+from specdec.training import finetune, losses  # the modules, also reachable as specdec.training.finetune, .losses
+from specdec.training.finetune import CheckpointError, FinetuneConfig, FinetuneResult, finetune_drafter
+from specdec.training.losses import scdf_loss, scdf_weights
 
 __version__ = "0.1.0"
 
@@ -44,10 +45,13 @@ __all__ = [
     "TaskFairness",
     "WallClockSpeedup",
     "evaluate",
+    "data",
+    "decoding",
     "fairness",
     "finetune",
     "finetune_drafter",
     "losses",
+    "training",
     "scdf_loss",
     "scdf_weights",
     "unfairness",

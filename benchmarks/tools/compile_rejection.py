@@ -7,7 +7,7 @@ meta tensors with :func:`~specdec.kernels.rejection_sampling_plan.plan_launch` a
 shapes, dtypes, greedy rows, per-row draft counts and scores (and the portable arithmetic, forced), and its kernel
 launches are recorded instead of run. By default a set of variants that together take every value of every
 constexpr (and every logit dtype and warp count) is compiled; ``--all`` compiles every distinct variant of the grid.
-``tests/test_kernels_compile.py`` runs the default.
+``tests/kernels/test_kernels_compile.py`` runs the default.
 
     python benchmarks/tools/compile_rejection.py [--all]   # one line per variant; exit status 1 if any failed
 """

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_generate import SHAPES, DeepScale, build_pair, calibrate  # noqa: E402
 
 import specdec  # noqa: E402
-from specdec._fast_decode import Sampling, _median_seconds, clear_engines, get_engine  # noqa: E402
+from specdec.decoding.static import Sampling, _median_seconds, clear_engines, get_engine  # noqa: E402
 
 
 def main() -> None:

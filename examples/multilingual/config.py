@@ -16,8 +16,8 @@ from typing import Any
 
 from specdec._validation import check_int_at_least, check_number, check_temperature
 from specdec.data import MGSM_LANGUAGES
-from specdec.finetune import METHODS, WEIGHT_BASES, FinetuneConfig
-from specdec.speed import WALL_CLOCK_BASELINES
+from specdec.fairness.speed import WALL_CLOCK_BASELINES
+from specdec.training.finetune import METHODS, WEIGHT_BASES, FinetuneConfig
 
 CONFIG_NAME = "config.json"
 ARCHITECTURES = ("llama", "qwen2")

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec.data import LANGUAGE_CODES, SPECIAL_TOKENS, load_jsonl_tasks
-from specdec.finetune import held_out_split
+from specdec.training.finetune import held_out_split
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 DOMAINS = ("cot", "news")
@@ -190,7 +190,7 @@ def read_training_rows(data: str | Path, languages: list[str], *, news_max_lines
 
 def split_rows(rows: list[dict[str, str]], fraction: float, most: int, seed: int
                ) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    """(train, heldout): :func:`specdec.finetune.held_out_split` of every (language, domain) with two or more texts
+    """(train, heldout): :func:`specdec.training.held_out_split` of every (language, domain) with two or more texts
     (a seeded ``fraction``, at most ``most``, at least one)."""
     groups: dict[str, list[int]] = defaultdict(list)
     for index, row in enumerate(rows):

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from specdec.fairness import TaskData, _spread, evaluate, spearman, unfairness
+from specdec.fairness.evaluation import TaskData, _spread, evaluate, spearman, unfairness
 
 from .corpus import BOS_ID, DEFAULT_TRIGGER, EOS_ID, PAD_ID, cot_prompt
 
@@ -131,7 +131,7 @@ def verifier_fingerprint(verifier: torch.nn.Module, prompts: list[list[int]], ne
     """SHA-256 of the verifier's weights and of its greedy continuations (Hugging Face ``generate``) of
     ``prompts``: equal before and after finetuning when the verifier is unchanged."""
     from specdec.fairness import pad_batch
-    from specdec.finetune_checkpoint import weights_digest
+    from specdec.training.checkpoint import weights_digest
 
     device = next(verifier.parameters()).device
     was_training = verifier.training

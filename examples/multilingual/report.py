@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from specdec.fairness_report import cost_ratio_line, format_number, markdown_table
+from specdec.fairness.report import cost_ratio_line, format_number, markdown_table
 
 SCDF_BASES = ("scdf_ce", "scdf_kl", "scdf_tv")
 

@@ -241,7 +241,7 @@ def stage_finetune(ctx: Context, pairs: list[str] | None = None, variants: list[
 
     from specdec import clear_static_caches, finetune_drafter
     from specdec.fairness import measure_decode_costs
-    from specdec.finetune_checkpoint import weights_digest
+    from specdec.training.checkpoint import weights_digest
 
     cfg = ctx.cfg
     if experiment not in EXPERIMENTS:

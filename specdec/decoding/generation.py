@@ -1,0 +1,352 @@
+"""Lossless speculative decoding for any pair of Hugging Face causal LMs that share a vocabulary.
+
+One round: the drafter proposes K tokens autoregressively (K cheap forward calls), the verifier scores the pending
+token and all K drafts in one forward call, and :func:`specdec.rejection_sample` keeps a prefix of the drafts plus
+one recovered/bonus token, so the output follows the verifier's own distribution exactly.
+
+Two paths run the rounds. The static path (``specdec.decoding.static``; the default on CUDA) keeps preallocated KV
+caches with one write position per row and replays each round from a CUDA graph. The eager path
+(``specdec.decoding.eager``) uses the models' dynamic caches and runs anywhere; models the static path cannot handle
+fall back to it, and ``stats.fallback_reason`` says why.
+"""
+
+from __future__ import annotations
+
+import numbers
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from specdec._models import check_model_pair, model_device, model_vocab_size, sliding_window
+from specdec._validation import (
+    check_backend,
+    check_int_at_least,
+    check_int_range,
+    check_temperature,
+    check_tensor,
+    eos_id_list,
+)
+from specdec.compat import SpecdecWarning, pair_positions
+from specdec.decoding.draft_length import AUTO_DRAFT_LENGTHS
+from specdec.decoding.eager import DecodeResult, decode_eager
+from specdec.decoding.slot_cache import fast_path_problem
+from specdec.decoding.static import Sampling, clear_engines, decode_static, get_engine
+
+_DRAFT_STREAM_SALT = 0x5DEECE66D  # separates the drafter's random stream from the sampler's
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters of a :func:`generate` call, per row ([B] or [B, K] int64 tensors on the CPU) and aggregated.
+
+    drafted: drafts proposed while the row was active. accepted: drafts the verifier accepted.
+    generated: tokens emitted into the output. verifier_calls / drafter_calls: forward calls while active.
+    accepted_per_position / attempted_per_position: [B, K] counts of acceptance tests at draft position j.
+    wall_time_s: wall-clock time of the whole call (device synchronised).
+    num_draft_tokens: K (the largest K for ``"auto"``). draft_lengths: the K of every round, in order.
+    path: ``"static"`` (slot caches, CUDA graphs on CUDA) or ``"eager"`` (dynamic caches).
+    fallback_reason: why the static path was not used, when it was asked for or would be the default; else None.
+    setup_time_s: graph capture and round timing paid by this call (about 0 when a previous call's are reused).
+    """
+
+    drafted: torch.Tensor
+    accepted: torch.Tensor
+    generated: torch.Tensor
+    verifier_calls: torch.Tensor
+    drafter_calls: torch.Tensor
+    accepted_per_position: torch.Tensor
+    attempted_per_position: torch.Tensor
+    wall_time_s: float = 0.0
+    num_draft_tokens: int = field(default=1)
+    draft_lengths: list[int] = field(default_factory=list)
+    path: str = "eager"
+    fallback_reason: str | None = None
+    setup_time_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> torch.Tensor:
+        """[B] float: accepted / drafted (NaN for a row that drafted nothing)."""
+        return self.accepted.double() / self.drafted.double()
+
+    @property
+    def acceptance_per_position(self) -> torch.Tensor:
+        """[B, K] float: P(accept draft j | draft j was tested); NaN where never tested."""
+        return self.accepted_per_position.double() / self.attempted_per_position.double()
+
+    @property
+    def tokens_per_verifier_call(self) -> torch.Tensor:
+        """[B] float: generated tokens per verifier forward call."""
+        return self.generated.double() / self.verifier_calls.double()
+
+    @property
+    def total_acceptance_rate(self) -> float:
+        return float(self.accepted.sum()) / max(int(self.drafted.sum()), 1)
+
+    @property
+    def total_acceptance_per_position(self) -> torch.Tensor:
+        """[K] float: acceptance at draft position j pooled over rows (0 where no row ever tested position j, so
+        that summaries stay JSON numbers; :attr:`acceptance_per_position` gives NaN there)."""
+        return self.accepted_per_position.sum(0).double() / self.attempted_per_position.sum(0).clamp(min=1).double()
+
+    @property
+    def total_tokens_per_verifier_call(self) -> float:
+        """Pooled generated tokens per verifier call (a batched call counts once per active row)."""
+        return float(self.generated.sum()) / max(int(self.verifier_calls.sum()), 1)
+
+    def summary(self) -> dict[str, float | list[float]]:
+        """Aggregated figures as plain Python numbers."""
+        return {
+            "drafted": int(self.drafted.sum()),
+            "accepted": int(self.accepted.sum()),
+            "generated": int(self.generated.sum()),
+            "verifier_calls": int(self.verifier_calls.max()) if self.verifier_calls.numel() else 0,
+            "drafter_calls": int(self.drafter_calls.max()) if self.drafter_calls.numel() else 0,
+            "acceptance_rate": self.total_acceptance_rate,
+            "acceptance_per_position": self.total_acceptance_per_position.tolist(),
+            "tokens_per_verifier_call": self.total_tokens_per_verifier_call,
+            "wall_time_s": self.wall_time_s,
+            "path": self.path,
+            "fallback_reason": self.fallback_reason,
+            "setup_time_s": self.setup_time_s,
+            "mean_draft_length": sum(self.draft_lengths) / max(len(self.draft_lengths), 1),
+        }
+
+
+@dataclass
+class GenerateOutput:
+    """sequences: [B, prompt_len + generated] int64, the prompt as given then the new tokens, right-padded with
+    ``pad_token_id`` after a row ends. stats: :class:`SpecDecodeStats`."""
+
+    sequences: torch.Tensor
+    stats: SpecDecodeStats
+
+
+@torch.no_grad()
+def generate(
+    verifier: torch.nn.Module,
+    drafter: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    max_new_tokens: int = 128,
+    num_draft_tokens: int | str = 4,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_token_id: int | Sequence[int] | None = None,
+    seed: int | None = None,
+    backend: str = "auto",
+    pad_token_id: int | None = None,
+    vocab_size: int | None = None,
+    progress: bool = False,
+    static: bool | None = None,
+    compile: bool = False,
+) -> GenerateOutput:
+    """Speculative decoding whose output follows ``verifier`` exactly (greedy or sampled).
+
+    Args:
+        verifier, drafter: Hugging Face causal LMs (``model(input_ids, attention_mask, position_ids, cache)``)
+            on the same device, sharing a vocabulary.
+        input_ids: [B, L] int64 prompts, left-padded; attention_mask: [B, L] 0/1 (default: all ones).
+        max_new_tokens: per-row cap on generated tokens (>= 1).
+        num_draft_tokens: K >= 0 drafts per round (0: plain decoding with the verifier alone), or ``"auto"``: K
+            chosen before every round from the measured acceptance and round times, among
+            ``(0, 1, 2, 3, 4, 6, 8)``, so that a drafter that is rarely accepted costs about nothing.
+        temperature: 0 is greedy (a draft is accepted iff it is the verifier's argmax, ties to the lowest id);
+            > 0 samples from ``softmax(filter(logits / T))`` where ``filter`` applies ``top_k`` then ``top_p``
+            identically to both models.
+        eos_token_id: int or list; a row stops after emitting one. seed: makes sampling reproducible (the two
+            paths draw from different random streams, so a seed reproduces a run of the same path).
+        backend: rejection-sampler backend ("auto", "triton", "torch").
+        pad_token_id: right-padding of finished rows (default: the first eos id, else 0).
+        vocab_size: the number of real token ids (e.g. ``len(tokenizer)``), required when the two models' vocab
+            sizes differ (padding rows); only ids below it are used.
+        progress: show a tqdm bar over generated tokens.
+        static: the static path (preallocated per-row KV caches; on CUDA every round replayed from a CUDA graph,
+            captured once per model pair, batch size and cache size and reused by later calls). None (default): on
+            for CUDA inputs, off on the CPU. True asks for it anywhere (on the CPU without graphs); False uses the
+            eager path. A model the static path cannot run (attention other than sdpa/eager, sliding windows, a
+            capture error) falls back to the eager path with the reason in ``stats.fallback_reason``.
+        compile: on the static path, fuse each model's forward call with ``torch.compile`` before its rounds are
+            captured: decoding steps run several times faster (fewer, fused kernels), at a one-time compilation
+            cost of tens of seconds per model pair and batch size (reported in ``stats.setup_time_s``).
+
+    Returns:
+        :class:`GenerateOutput` with ``sequences`` [B, L + max generated] and ``stats``.
+    """
+    check_model_pair(verifier, drafter)
+    check_tensor(input_ids, "input_ids", 2, integer_dtype=True, shape_doc="[B, L]")
+    batch, prompt_len = input_ids.shape
+    if batch == 0 or prompt_len == 0:
+        raise ValueError(f"input_ids must be a non-empty [B, L] batch of prompts, got shape {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    check_tensor(attention_mask, "attention_mask", 2, shape_doc="[B, L]")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
+                         f"got {tuple(attention_mask.shape)}")
+    device = input_ids.device
+    for name, tensor_or_model in (("attention_mask", attention_mask), ("verifier", verifier), ("drafter", drafter)):
+        other = tensor_or_model.device if isinstance(tensor_or_model, torch.Tensor) else model_device(tensor_or_model)
+        if other != device:
+            raise ValueError(f"{name} is on {other} but input_ids is on {device}: move them to one device")
+    if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        raise ValueError("attention_mask must contain only 0 and 1")
+    if bool((attention_mask.sum(dim=1) == 0).any()):
+        raise ValueError("input_ids has an empty prompt (a row whose attention_mask is all zeros)")
+    if bool((attention_mask[:, -1] == 0).any()):
+        raise ValueError("input_ids must be left-padded: attention_mask[:, -1] is 0 in some row (tokenize with "
+                         "padding_side='left'); generation continues from the last column")
+    max_new_tokens = check_int_at_least(max_new_tokens, "max_new_tokens", 1)
+    if isinstance(num_draft_tokens, str):
+        if num_draft_tokens != "auto":
+            raise ValueError(f"num_draft_tokens must be an integer >= 0 or 'auto', got {num_draft_tokens!r}")
+        draft_lengths = AUTO_DRAFT_LENGTHS
+    else:
+        draft_lengths = (check_int_at_least(num_draft_tokens, "num_draft_tokens", 0),)
+    max_drafts = max(draft_lengths)
+    temperature = check_temperature(temperature)
+    top_k = check_int_at_least(top_k, "top_k", 0)
+    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0.0 < float(top_p) <= 1.0:
+        raise ValueError(f"top_p must be a float in (0, 1], got {top_p!r}")
+    top_p = float(top_p)
+    if static is not None and not isinstance(static, bool):
+        raise TypeError(f"static must be True, False or None, got {static!r}")
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile must be True or False, got {compile!r}")
+    # The eager path's caches keep one slot layout for the whole batch: each round appends K + 1 slots and rows that
+    # accept fewer drafts leave masked slots behind. A sliding window counts slots, not tokens (and transformers'
+    # sliding cache layers cannot roll back past the window), so the window must hold every slot the call can create.
+    most_slots = prompt_len + max_new_tokens * (max_drafts + 1)
+    for name, model in (("verifier", verifier), ("drafter", drafter)):
+        window = sliding_window(model)
+        if window is not None and most_slots >= window:
+            raise ValueError(
+                f"{name} uses sliding-window attention (window {window}); speculative decoding here needs prompt "
+                f"length + max_new_tokens * (num_draft_tokens + 1) = {prompt_len} + {max_new_tokens} * "
+                f"{max_drafts + 1} = {most_slots} below the window (shorten the prompt, max_new_tokens or "
+                "num_draft_tokens)")
+    check_backend(backend)
+    verifier_vocab, drafter_vocab = model_vocab_size(verifier, "verifier"), model_vocab_size(drafter, "drafter")
+    if vocab_size is None:
+        if verifier_vocab != drafter_vocab:
+            raise ValueError(
+                f"verifier and drafter vocabularies differ ({verifier_vocab} vs {drafter_vocab}); if they differ only "
+                "by padding rows pass vocab_size=len(tokenizer) to use the shared id range"
+            )
+        vocab_size = verifier_vocab
+    vocab = check_int_at_least(vocab_size, "vocab_size", 1)
+    if vocab > min(verifier_vocab, drafter_vocab):
+        raise ValueError(f"vocab_size={vocab} exceeds a model's vocabulary ({verifier_vocab}, {drafter_vocab})")
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+        raise ValueError(f"input_ids must lie in [0, vocab_size={vocab})")
+    eos_ids = eos_id_list(eos_token_id, vocab)
+    pad_token_id = check_int_range(pad_token_id, "pad_token_id", 0, vocab, allow_none=True, note=" (vocab_size)")
+    seed = check_int_range(seed, "seed", 0, 2**64, allow_none=True)
+    pad = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    _warn_past_positions(verifier, drafter, prompt_len, max_new_tokens, max_drafts)
+
+    generator = torch.Generator(device="cpu")
+    if seed is not None:
+        generator.manual_seed(seed)
+    else:
+        generator.seed()
+    row_seeds = torch.randint(0, 2**62, (batch,), generator=generator, dtype=torch.int64).to(device)
+    draft_seeds = row_seeds ^ _DRAFT_STREAM_SALT
+
+    start_time = time.perf_counter()
+    bar = tqdm(total=batch * max_new_tokens, desc="specdec.generate", unit="tok", disable=not progress)
+    use_static = device.type == "cuda" if static is None else static
+    reason = _static_problem(verifier, drafter) if use_static else None
+    result = None
+    if use_static and reason is None:
+        try:
+            result = _decode_static(verifier, drafter, input_ids, attention_mask, max_new_tokens, draft_lengths,
+                                    temperature, top_k, top_p, vocab, eos_ids, pad, backend, row_seeds, draft_seeds,
+                                    bar.update, compile)
+        except _CaptureError as error:
+            reason = str(error)
+    if result is None:
+        result = decode_eager(verifier, drafter, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                              draft_lengths=draft_lengths, greedy=temperature == 0, temperature=temperature,
+                              top_k=top_k, top_p=top_p, vocab=vocab, eos_ids=eos_ids, pad=pad, backend=backend,
+                              row_seeds=row_seeds, draft_seeds=draft_seeds, on_emit=bar.update)
+    bar.close()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    wall_time = time.perf_counter() - start_time
+    generated = result.generated
+    max_generated = int(generated.max())
+    sequences = torch.cat([input_ids.to(torch.int64), result.tokens[:, :max_generated]], dim=1)
+    counters = result.counters
+    stats = SpecDecodeStats(
+        drafted=counters["drafted"].cpu(), accepted=counters["accepted"].cpu(), generated=generated.cpu(),
+        verifier_calls=counters["verifier_calls"].cpu(), drafter_calls=counters["drafter_calls"].cpu(),
+        accepted_per_position=result.accepted_per_position[:, :max(max_drafts, 1)].cpu(),
+        attempted_per_position=result.attempted_per_position[:, :max(max_drafts, 1)].cpu(),
+        wall_time_s=wall_time, num_draft_tokens=max_drafts, draft_lengths=result.draft_lengths,
+        path="static" if use_static and reason is None else "eager", fallback_reason=reason,
+        setup_time_s=result.setup_seconds,
+    )
+    return GenerateOutput(sequences=sequences, stats=stats)
+
+
+def _warn_past_positions(verifier: torch.nn.Module, drafter: torch.nn.Module, prompt_len: int, max_new_tokens: int,
+                         max_drafts: int) -> None:
+    """SpecdecWarning when a row can reach past the positions the models were built for (a last round writes up to
+    K drafts past the budget): models with learned position embeddings fail there, rotary ones drift."""
+    positions = pair_positions(verifier, drafter)
+    needed = prompt_len + max_new_tokens + max_drafts
+    if positions is not None and needed > positions:
+        warnings.warn(f"input_ids ({prompt_len} columns) + max_new_tokens={max_new_tokens} + up to {max_drafts} draft "
+                      f"tokens need {needed} positions, more than the models' {positions} (max_position_embeddings): "
+                      "models with learned position embeddings fail there and others leave what they were trained "
+                      "on; shorten the prompt or max_new_tokens", SpecdecWarning, stacklevel=3)
+
+
+def clear_static_caches() -> None:
+    """Frees what the static path keeps between calls: per verifier, up to two engines of preallocated KV caches and
+    captured CUDA graphs (one per batch size and cache-size bucket), so their GPU memory can be released."""
+    clear_engines()
+
+
+class _CaptureError(RuntimeError):
+    """The static path could not set up its rounds for this model pair (the message is the one-line reason)."""
+
+
+def _static_problem(verifier: torch.nn.Module, drafter: torch.nn.Module) -> str | None:
+    """Why the static path cannot run this pair (the first model's reason), or None."""
+    for name, model in (("verifier", verifier), ("drafter", drafter)):
+        problem = fast_path_problem(model, name)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _decode_static(verifier, drafter, input_ids, attention_mask, max_new_tokens, draft_lengths, temperature, top_k,
+                   top_p, vocab, eos_ids, pad, backend, row_seeds, draft_seeds, on_emit,
+                   compile_models) -> DecodeResult:
+    """Runs the static path; a failure while building or capturing its rounds becomes a :class:`_CaptureError`."""
+    batch, prompt_len = input_ids.shape
+    max_drafts = max(draft_lengths)
+    device = input_ids.device
+    sampling = Sampling(greedy=temperature == 0, top_k=top_k, top_p=top_p)
+    setup_start = time.perf_counter()
+    try:
+        engine = get_engine(verifier, drafter, batch, prompt_len + max_new_tokens + max_drafts + 1, vocab,
+                            max_drafts, len(eos_ids), device, backend, device.type == "cuda", compile_models)
+        controller = engine.prepare(draft_lengths, sampling)
+    except (RuntimeError, TypeError, ValueError, AttributeError, NotImplementedError) as error:
+        clear_engines(verifier)
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise _CaptureError(f"static path unavailable ({type(error).__name__}: {first_line})") from error
+    setup_seconds = time.perf_counter() - setup_start  # engine, captures and round timing (about 0 when reused)
+    result = decode_static(engine, controller, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                           draft_lengths=draft_lengths, sampling=sampling, temperature=temperature, eos_ids=eos_ids,
+                           pad=pad, row_seeds=row_seeds, draft_seeds=draft_seeds, on_emit=on_emit)
+    result.setup_seconds = setup_seconds
+    return result

@@ -1,0 +1,415 @@
+"""The static decoding path of :func:`specdec.generate`: slot KV caches, whole rounds replayed from CUDA graphs.
+
+A round is one function of fixed shapes over device state (gpt-fast's design, batched): the drafter absorbs the last
+two committed tokens and proposes K drafts, the verifier scores the pending token and the K drafts in one call, the
+sampler keeps a prefix of the drafts plus one token, and the bookkeeping (emission, eos, budgets, statistics) runs on
+the device. On CUDA each round shape is captured once as a CUDA graph and replayed, so a round costs one graph launch
+and one host synchronisation (the stop flags and the acceptance counts the automatic K reads).
+
+Per row ``b``: ``slot_len[b]`` committed tokens fill slots ``0 .. slot_len - 1`` of the row (prompt padding
+included); the last one, ``pending``, is not yet in the verifier's cache, and ``prev`` (slot ``slot_len - 2``) may
+not be in the drafter's. The drafter's first step therefore always takes ``[prev, pending]`` (rewriting a slot it
+may already hold changes nothing), which keeps the shapes fixed whether the last round accepted every draft or not.
+A round with K = 0 is plain decoding and leaves the drafter behind; a catch-up call over the last ``CATCH_UP``
+slots brings it back before the next speculative round.
+
+Finished rows keep riding along (fixed shapes) but neither advance nor emit.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from specdec._models import cache_argument
+from specdec.decoding.draft_length import DraftLengthController
+from specdec.decoding.eager import DecodeResult
+from specdec.decoding.emission import add_position_counts, emission
+from specdec.decoding.sampling import filter_logits_unchecked, rejection_sample_unchecked
+from specdec.decoding.slot_cache import SlotCache, slot_attention_mask
+from specdec.kernels.rejection_sampling_reference import exponential_race
+
+CATCH_UP = 16  # drafter catch-up window; the automatic K probes a speculative round at least this often
+SLOT_BUCKET = 64  # cache capacities are rounded up to this, so calls of similar length share graphs
+MAX_ENGINES = 2  # static engines (caches and graphs) kept per verifier
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The sampling settings a captured round depends on (the temperature itself is a device tensor)."""
+
+    greedy: bool
+    top_k: int
+    top_p: float
+
+
+def _slot_step(model: torch.nn.Module, cache: SlotCache, ids: torch.Tensor, slots: torch.Tensor,
+               key_ok: torch.Tensor, pad_offset: torch.Tensor, dtype: torch.dtype, additive: bool, keep: int,
+               keep_kwarg: bool, cache_kwarg: str) -> torch.Tensor:
+    """One forward call of ``model`` on the slot cache: logits [B, keep, V_model] of the last ``keep`` tokens."""
+    cache.write_slots = slots
+    mask = slot_attention_mask(key_ok, slots, dtype, additive)
+    positions = (slots - pad_offset[:, None]).clamp(min=0)
+    extra = {"logits_to_keep": keep} if keep_kwarg else {}
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                **{cache_kwarg: cache}, **extra)
+    return out.logits[:, -keep:]
+
+
+class _ModelSlot:
+    """One model with its slot cache: ``forward(ids [B, T], slots [B, T], keep) -> [B, keep, vocab]`` logits.
+
+    ``compile_model``: the step goes through ``torch.compile`` (fused kernels; compiled at the first call of each
+    shape, before the round is captured in a CUDA graph).
+    """
+
+    def __init__(self, model: torch.nn.Module, batch: int, capacity: int, vocab: int, key_ok: torch.Tensor,
+                 pad_offset: torch.Tensor, compile_model: bool = False):
+        self.model = weakref.ref(model)  # cached engines must not keep a deleted model alive
+        self.vocab = vocab
+        self.cache = SlotCache(batch, capacity)
+        self.key_ok, self.pad_offset = key_ok, pad_offset
+        self.additive_mask = model.config._attn_implementation == "eager"
+        self.dtype = next(model.parameters()).dtype
+        self.has_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.cache_kwarg = cache_argument(model)
+        self.step = _compiled_slot_step() if compile_model else _slot_step
+
+    def forward(self, ids: torch.Tensor, slots: torch.Tensor, keep: int, eager: bool = False) -> torch.Tensor:
+        step = _slot_step if eager else self.step
+        logits = step(self.model(), self.cache, ids, slots, self.key_ok, self.pad_offset, self.dtype,
+                      self.additive_mask, keep, self.has_logits_to_keep, self.cache_kwarg)
+        return logits[..., : self.vocab]
+
+
+_COMPILED_STEP = None
+
+
+def _compiled_slot_step():
+    """:func:`_slot_step` through ``torch.compile`` (one compiled function; each model and shape adds an entry)."""
+    global _COMPILED_STEP
+    if _COMPILED_STEP is None:
+        import torch._dynamo
+
+        config = torch._dynamo.config
+        if hasattr(config, "recompile_limit"):
+            config.recompile_limit = max(config.recompile_limit, 64)
+        else:
+            config.cache_size_limit = max(config.cache_size_limit, 64)
+        _COMPILED_STEP = torch.compile(_slot_step)
+    return _COMPILED_STEP
+
+
+class StaticEngine:
+    """Caches, device state and captured rounds for one (verifier, drafter, batch, capacity) combination."""
+
+    def __init__(self, verifier: torch.nn.Module, drafter: torch.nn.Module, batch: int, capacity: int, vocab: int,
+                 max_drafts: int, num_eos: int, device: torch.device, backend: str, use_graphs: bool,
+                 compile_models: bool = False):
+        self.device, self.backend, self.use_graphs = device, backend, use_graphs
+        zeros = lambda *shape, dtype=torch.int64: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
+        self.key_ok = torch.ones((batch, capacity), dtype=torch.bool, device=device)
+        self.pad_offset = zeros(batch)
+        self.verifier = _ModelSlot(verifier, batch, capacity, vocab, self.key_ok, self.pad_offset, compile_models)
+        self.drafter = _ModelSlot(drafter, batch, capacity, vocab, self.key_ok, self.pad_offset, compile_models)
+        self.seq = zeros(batch, capacity)
+        self.slot_len, self.prev, self.pending = zeros(batch), zeros(batch), zeros(batch)
+        self.generated, self.stream_pos = zeros(batch), zeros(batch)
+        self.finished = zeros(batch, dtype=torch.bool)
+        self.max_new = zeros(1)
+        self.eos = torch.full((max(num_eos, 1),), -2, dtype=torch.int64, device=device)
+        self.temperature = torch.ones((), dtype=torch.float32, device=device)
+        self.row_seeds, self.draft_seeds = zeros(batch), zeros(batch)
+        self.counters = {name: zeros(batch) for name in ("drafted", "accepted", "verifier_calls", "drafter_calls")}
+        self.accepted_per_position = zeros(batch, max(max_drafts, 1))
+        self.attempted_per_position = zeros(batch, max(max_drafts, 1))
+        self.flags = zeros(5)  # all finished, bad logits, accepted, attempted, emitted (this round)
+        self.flags_host = torch.zeros(5, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.steps: dict[tuple, Callable[[], None]] = {}
+        self.step_seconds: dict[tuple, float] = {}
+        self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self._park()
+        # one eager call per model allocates the cache buffers before any capture
+        ids = zeros(batch, 1)
+        slots = zeros(batch, 1)
+        self.verifier.forward(ids, slots, 1, eager=True)
+        self.drafter.forward(ids, slots, 1, eager=True)
+
+    # ------------------------------------------------------------------ state
+    def _park(self) -> None:
+        """A harmless state for warm-up and timing replays: every row finished, indices in range."""
+        self.slot_len.fill_(2)
+        self.finished.fill_(True)
+        self.prev.zero_()
+        self.pending.zero_()
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+                eos_ids: list[int], sampling: Sampling, temperature: float, row_seeds: torch.Tensor,
+                draft_seeds: torch.Tensor) -> None:
+        """Encodes the prompts in both caches (eager) and samples the first token from the verifier."""
+        batch, prompt_len = input_ids.shape
+        mask = attention_mask.to(torch.bool)
+        self.key_ok.fill_(True)
+        self.key_ok[:, :prompt_len] = mask
+        self.pad_offset.copy_(prompt_len - mask.sum(dim=1))
+        self.seq.zero_()
+        self.seq[:, :prompt_len] = input_ids
+        self.max_new.fill_(max_new_tokens)
+        self.eos.fill_(-2)
+        if eos_ids:
+            self.eos[: len(eos_ids)] = torch.tensor(eos_ids, dtype=torch.int64, device=self.device)
+        self.temperature.fill_(temperature if temperature > 0 else 1.0)
+        self.row_seeds.copy_(row_seeds)
+        self.draft_seeds.copy_(draft_seeds)
+        for counter in (*self.counters.values(), self.accepted_per_position, self.attempted_per_position):
+            counter.zero_()
+        slots = torch.arange(prompt_len, device=self.device).expand(batch, prompt_len)
+        self.drafter.forward(input_ids, slots, 1, eager=True)  # (prompt lengths vary: never compiled)
+        logits = self.verifier.forward(input_ids, slots, 1, eager=True)[:, 0]
+        self.stream_pos.zero_()
+        first, bad = self._sample_verifier(logits, sampling)
+        self.seq[:, prompt_len] = first
+        self.prev.copy_(input_ids[:, -1])
+        self.pending.copy_(first)
+        self.slot_len.fill_(prompt_len + 1)
+        self.generated.fill_(1)
+        self.finished.copy_((first[:, None] == self.eos).any(dim=1) | (max_new_tokens <= 1))
+        self.stream_pos.fill_(1)
+        self.counters["verifier_calls"].fill_(1)
+        self.flags.zero_()
+        self.flags[0] = self.finished.all()
+        self.flags[1] = bad
+        self.flags[4] = batch
+
+    # ------------------------------------------------------------------ sampling helpers
+    def _process(self, logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+        return filter_logits_unchecked(logits.float() / self.temperature, sampling.top_k, sampling.top_p)
+
+    def _sample_verifier(self, logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row from [B, V] verifier logits at stream position ``stream_pos``; and a NaN flag."""
+        if sampling.greedy:
+            token = logits.argmax(dim=-1)
+            return token, torch.isnan(logits.gather(1, token[:, None])).any()
+        processed = self._process(logits, sampling)
+        token = exponential_race(processed, self.row_seeds, self.stream_pos)
+        return token, torch.isnan(processed.amax(dim=-1)).any()
+
+    # ------------------------------------------------------------------ round bodies
+    def _speculative_round(self, num_drafts: int, sampling: Sampling) -> None:
+        n, active = self.slot_len, ~self.finished
+        offsets = torch.arange(-2, 0, device=self.device)
+        logits = self.drafter.forward(torch.stack([self.prev, self.pending], dim=1), n[:, None] + offsets, 1)[:, 0]
+        drafts, draft_logits, bad = [], [], torch.zeros((), dtype=torch.bool, device=self.device)
+        for j in range(num_drafts):
+            if j:
+                logits = self.drafter.forward(drafts[-1][:, None], (n + j - 1)[:, None], 1)[:, 0]
+            if sampling.greedy:
+                drafts.append(logits.argmax(dim=-1))
+            else:
+                processed = self._process(logits, sampling)
+                bad = bad | torch.isnan(processed.amax(dim=-1)).any()
+                drafts.append(exponential_race(processed, self.draft_seeds, self.stream_pos + j))
+                draft_logits.append(processed)
+        draft_tokens = torch.stack(drafts, dim=1)
+        verify_ids = torch.cat([self.pending[:, None], draft_tokens], dim=1)
+        verify_slots = n[:, None] - 1 + torch.arange(num_drafts + 1, device=self.device)
+        target_logits = self.verifier.forward(verify_ids, verify_slots, num_drafts + 1)
+        if sampling.greedy:
+            tokens = target_logits.argmax(dim=-1)
+            bad = bad | torch.isnan(target_logits.gather(2, tokens[..., None])).any()
+            num_accepted = (draft_tokens == tokens[:, :num_drafts]).to(torch.int64).cumprod(dim=1).sum(dim=1)
+        else:
+            processed = self._process(target_logits, sampling)
+            bad = bad | torch.isnan(processed.amax(dim=-1)).any()
+            result = rejection_sample_unchecked(processed, torch.stack(draft_logits, dim=1), draft_tokens, 1.0,
+                                                self.backend, self.row_seeds, self.stream_pos)
+            tokens, num_accepted = result.tokens, result.num_accepted
+        self._commit(tokens, num_accepted, num_drafts, bad, active)
+        self.counters["drafted"].add_(active * num_drafts)
+        self.counters["drafter_calls"].add_(active * num_drafts)
+
+    def _plain_round(self, sampling: Sampling) -> None:
+        n, active = self.slot_len, ~self.finished
+        logits = self.verifier.forward(self.pending[:, None], (n - 1)[:, None], 1)[:, 0]
+        token, bad = self._sample_verifier(logits, sampling)
+        self._commit(token[:, None], torch.zeros_like(token), 0, bad, active)
+
+    def _catch_up(self) -> None:
+        """The drafter reads the CATCH_UP slots before ``slot_len - 2`` (after rounds without speculation)."""
+        window = (self.slot_len[:, None] - 2 - CATCH_UP + torch.arange(CATCH_UP, device=self.device)).clamp(min=0)
+        self.drafter.forward(self.seq.gather(1, window), window, 1)
+        self.counters["drafter_calls"].add_(~self.finished)
+
+    def _commit(self, tokens: torch.Tensor, num_accepted: torch.Tensor, num_drafts: int, bad: torch.Tensor,
+                active: torch.Tensor) -> None:
+        """Emits ``tokens[:, :n + 1]`` (cut at eos and the budget), advances the rows and counts."""
+        emit, hit_eos, accepted, attempted = emission(tokens, num_accepted, num_drafts, self.max_new - self.generated,
+                                                      active, self.eos)
+        count = emit.sum(dim=1)
+        write = self.slot_len[:, None] + torch.arange(num_drafts + 1, device=self.device)
+        self.seq.scatter_(1, write, torch.where(emit, tokens, self.seq.gather(1, write)))
+        bad = bad | (emit & (tokens < 0)).any()
+        self.generated.add_(count)
+        self.finished.copy_(self.finished | hit_eos | (self.generated >= self.max_new))
+        committed = torch.cat([self.pending[:, None], tokens.clamp(min=0)], dim=1)
+        self.prev.copy_(torch.where(active, committed.gather(1, num_accepted[:, None])[:, 0], self.prev))
+        self.pending.copy_(torch.where(active, committed.gather(1, num_accepted[:, None] + 1)[:, 0], self.pending))
+        self.slot_len.add_(torch.where(active, num_accepted + 1, 0))
+        self.stream_pos.add_(num_drafts + 1)
+        self.counters["verifier_calls"].add_(active)
+        self.counters["accepted"].add_(accepted)
+        add_position_counts(self.accepted_per_position, self.attempted_per_position, accepted, attempted, num_drafts)
+        self.flags.copy_(torch.stack([self.finished.all().to(torch.int64), bad.to(torch.int64), accepted.sum(),
+                                      attempted.sum(), count.sum()]))
+
+    # ------------------------------------------------------------------ capture and replay
+    def step(self, kind: str, num_drafts: int, sampling: Sampling) -> Callable[[], None]:
+        """The captured (or, without graphs, the plain) callable of one round kind."""
+        key = (kind, num_drafts, sampling)
+        if key not in self.steps:
+            if kind == "catch_up":
+                body = self._catch_up
+            elif kind != "round":
+                raise ValueError(f"unknown round kind {kind!r}")
+            elif num_drafts == 0:
+                body = lambda: self._plain_round(sampling)  # noqa: E731
+            else:
+                body = lambda: self._speculative_round(num_drafts, sampling)  # noqa: E731
+            self.steps[key] = self._capture(body)
+        return self.steps[key]
+
+    def _capture(self, body: Callable[[], None]) -> Callable[[], None]:
+        if not self.use_graphs:
+            return body
+        self._park()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            body()  # compiles Triton kernels and lets lazily built tensors exist before capture
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            body()
+        return graph.replay
+
+    def prepare(self, draft_lengths: tuple[int, ...], sampling: Sampling) -> DraftLengthController | None:
+        """Captures every round a call may run before its state is live; for several K (``"auto"``) also the
+        drafter's catch-up, and returns a controller fed with each K's measured round time."""
+        for num_drafts in draft_lengths:
+            self.step("round", num_drafts, sampling)
+        if len(draft_lengths) == 1:
+            return None
+        self.step("catch_up", 0, sampling)
+        return DraftLengthController({k: self.round_seconds(k, sampling) for k in draft_lengths})
+
+    def round_seconds(self, num_drafts: int, sampling: Sampling, repeats: int = 5) -> float:
+        """Median device time of one round of K = ``num_drafts`` (parked state; measured once, then cached)."""
+        key = ("round", num_drafts, sampling)
+        if key not in self.step_seconds:
+            replay = self.step("round", num_drafts, sampling)
+            self._park()  # (timing replays must not advance a live state)
+            self.step_seconds[key] = _median_seconds(replay, self.device, repeats)
+        return self.step_seconds[key]
+
+    def read_flags(self) -> list[int]:
+        """The five round flags (one host synchronisation)."""
+        if self.device.type == "cuda":
+            self.flags_host.copy_(self.flags, non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+            return self.flags_host.tolist()
+        return self.flags.tolist()
+
+
+def _median_seconds(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - begin)
+    return sorted(times)[len(times) // 2]
+
+
+_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _fingerprint(model: torch.nn.Module) -> tuple:
+    return tuple((p.data_ptr(), p.dtype, tuple(p.shape)) for p in model.parameters())
+
+
+def get_engine(verifier: torch.nn.Module, drafter: torch.nn.Module, batch: int, needed_slots: int, vocab: int,
+               max_drafts: int, num_eos: int, device: torch.device, backend: str, use_graphs: bool,
+               compile_models: bool = False) -> StaticEngine:
+    """A cached engine for these models and shapes, or a new one (kept, at most :data:`MAX_ENGINES` per verifier)."""
+    capacity = -(-needed_slots // SLOT_BUCKET) * SLOT_BUCKET
+    eos_slots = 1 << max(num_eos - 1, 0).bit_length()
+    key = (id(drafter), _fingerprint(verifier), _fingerprint(drafter), batch, capacity, vocab, max_drafts, eos_slots,
+           str(device), backend, use_graphs, compile_models)
+    engines = _ENGINES.setdefault(verifier, OrderedDict())
+    if key in engines:
+        engines.move_to_end(key)
+        return engines[key]
+    while len(engines) >= MAX_ENGINES:
+        engines.popitem(last=False)
+    engine = StaticEngine(verifier, drafter, batch, capacity, vocab, max_drafts, eos_slots, device, backend,
+                          use_graphs, compile_models)
+    engines[key] = engine
+    return engine
+
+
+def clear_engines(verifier: torch.nn.Module | None = None) -> None:
+    """Drops the cached static engines (KV caches and captured graphs) of ``verifier``, or of every verifier, so
+    their GPU memory can be freed."""
+    if verifier is None:
+        _ENGINES.clear()
+    else:
+        _ENGINES.pop(verifier, None)
+
+
+def decode_static(engine: StaticEngine, controller: DraftLengthController | None, input_ids: torch.Tensor,
+                  attention_mask: torch.Tensor, *, max_new_tokens: int, draft_lengths: tuple[int, ...],
+                  sampling: Sampling, temperature: float, eos_ids: list[int], pad: int, row_seeds: torch.Tensor,
+                  draft_seeds: torch.Tensor, on_emit: Callable[[int], None]) -> DecodeResult:
+    """Runs rounds until every row stops, on an engine whose rounds :meth:`StaticEngine.prepare` captured.
+
+    ``draft_lengths``: one K, or several chosen per round by ``controller``. Returns the new tokens
+    [B, max_new_tokens] (``pad`` after each row's end) and the counters (copies: the engine is reused).
+    """
+    engine.prefill(input_ids, attention_mask, max_new_tokens, eos_ids, sampling, temperature, row_seeds, draft_seeds)
+    flags = engine.read_flags()
+    rounds, drafter_behind = [], 0
+    while True:
+        if flags[1]:
+            raise ValueError("a model produced NaN logits; refusing to turn NaN logits into tokens")
+        on_emit(flags[4])
+        if flags[0]:
+            break
+        num_drafts = controller.choose() if controller is not None else draft_lengths[0]
+        if num_drafts and drafter_behind:
+            engine.step("catch_up", 0, sampling)()
+        engine.step("round", num_drafts, sampling)()
+        drafter_behind = drafter_behind + 1 if num_drafts == 0 else 0
+        rounds.append(num_drafts)
+        flags = engine.read_flags()
+        if controller is not None and num_drafts:
+            controller.observe(flags[2], flags[3])
+    prompt_len = input_ids.shape[1]
+    index = torch.arange(max_new_tokens, device=input_ids.device)
+    tokens = engine.seq[:, prompt_len: prompt_len + max_new_tokens]
+    tokens = torch.where(index < engine.generated[:, None], tokens, pad)
+    return DecodeResult(tokens, engine.generated.clone(), {k: v.clone() for k, v in engine.counters.items()},
+                        engine.accepted_per_position.clone(), engine.attempted_per_position.clone(), rounds, 0.0)

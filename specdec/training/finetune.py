@@ -1,0 +1,672 @@
+"""Drafter-only finetuning that lowers the disparity of speculative decoding across tasks (s-CDF and baselines).
+
+Each step draws a global minibatch of text windows, runs the frozen verifier (no grad) and the drafter on it, and
+minimises a weighted distillation loss ``sum_n omega_n H(p_n, q_n)`` through
+:func:`specdec.divergence_loss` (fused Triton kernel on CUDA). The methods differ only in the sampling
+and in ``omega`` (``K_i``: task i's mean CE on the minibatch, ``N_i`` its token count, ``N`` the total):
+
+* ``"scdf"``: ``batch_size_per_task`` windows of every task; ``omega_n = w_i / N_i`` with corrective weights
+  ``w_i = v_i - min_j v_j + weight_floor`` computed on ``weight_basis`` v in {CE, KL, TV} (see
+  :mod:`specdec.training.losses`).
+* ``"exact_variance"``: the same with ``w_i = v_i - vbar``, i.e. gradient descent on U itself (levels down).
+* ``"balanced"``: equal task sampling, ``w_i = 1`` (the sum of the per-task means, m times their mean: the logged
+  loss and the gradient are m times those of a mean).
+* ``"uniform_kd"``: DistillSpec-style KD on the natural mixture: ``batch_size_per_task * m`` windows drawn uniformly
+  from the pooled texts, ``omega_n = 1 / N``.
+
+Per character (``per_character=True``, with ``"scdf"`` or ``"exact_variance"``): tokens are not the unit a reader
+feels, so the weights are taken on nats per character. With ``rho_i`` the characters per token of task i (from its
+texts and the tokenizer, or given as ``chars_per_token``), the per-task values become ``v_i / rho_i`` (e.g. the
+misfit per character ``D_i / rho_i`` on the KL basis), the corrective weights ``w_i = v_i / rho_i - min_j v_j / rho_j
++ weight_floor`` (``v_i / rho_i - mean_j v_j / rho_j`` for exact variance), and the objective the per-character
+cross-entropy ``sum_i w_i K_i / rho_i``, i.e. ``omega_n = w_i / (rho_i N_i)``. With every ``rho_i = 1`` it is the
+per-token run exactly.
+
+Under ``torch.distributed`` (e.g. ``torchrun``) the drafter is wrapped in DDP; every process draws the same global
+minibatch and keeps its slice (rows ``rank::world_size``), per-task sums and counts are all-reduced before the weights
+are computed, and each process backpropagates ``world_size * sum_{n local} omega_n H_n``, so the DDP gradient average
+equals the one-process gradient of the global objective.
+
+Evaluation texts are held out: without ``eval_tasks``, a seeded split (:func:`held_out_split`, ``eval_fraction`` and
+``split_seed`` of the config) sets aside a share of every task's texts for the evaluations, and training never sees
+them; pass ``eval_fraction=0`` to evaluate on training texts instead (a measure of fit, not of generalisation).
+
+The training settings are one :class:`FinetuneConfig`; checkpoints are written and read by
+:mod:`specdec.training.checkpoint` (its public names are importable from here too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specdec._models import check_model_pair, model_device
+from specdec._validation import check_backend, check_int_at_least, check_int_range, check_number
+from specdec.compat import check_task_texts, pair_positions, shared_vocab_size
+from specdec.fairness import unfairness
+from specdec.fairness.divergences import divergence, divergence_loss
+from specdec.fairness.teacher_forcing import (
+    encode_items,
+    pad_batch,
+    prefix_logits,
+    prefix_rows,
+    task_divergences,
+)
+from specdec.training.checkpoint import (
+    CHECKPOINT_FORMAT,
+    CHECKPOINT_NAME,
+    CheckpointError,
+    load_checkpoint,
+    restore_checkpoint,
+    save_checkpoint,
+    tasks_digest,
+)
+from specdec.training.losses import per_character_weights_unchecked, token_weights_unchecked
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "CHECKPOINT_NAME",
+    "METHODS",
+    "WEIGHT_BASES",
+    "CheckpointError",
+    "FinetuneConfig",
+    "FinetuneResult",
+    "check_seq_len",
+    "finetune_drafter",
+    "held_out_split",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+
+METHODS = ("scdf", "exact_variance", "uniform_kd", "balanced")
+WEIGHT_BASES = ("ce", "kl", "tv")
+PER_CHARACTER_METHODS = ("scdf", "exact_variance")
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """The training settings of :func:`finetune_drafter` (frozen; derive a variant with :meth:`replace`).
+
+    Every field is checked when the config is made: a bad value raises ValueError (TypeError for a non-number where a
+    number is expected) naming the field.
+
+    Attributes:
+        method (str, default ``"scdf"``): ``"scdf"`` | ``"exact_variance"`` | ``"uniform_kd"`` | ``"balanced"``
+            (see :mod:`specdec.training.finetune`).
+        weight_basis (str, default ``"ce"``): ``"ce"`` | ``"kl"`` | ``"tv"``, the per-task values the s-CDF and
+            exact-variance weights are computed on.
+        weight_floor (float, default 0.0): >= 0, added to the corrective weights (``method="scdf"``).
+        normalize_weights (bool, default False): divide the per-task weights by ``sum |w_i|``.
+        steps (int, default 200): >= 0, total optimizer steps (a resumed run continues up to this number).
+        batch_size_per_task (int, default 8): >= 1, windows per task per step (global, over all processes);
+            ``uniform_kd`` draws ``batch_size_per_task * m`` windows from the pooled texts.
+        seq_len (int, default 64): >= 2, window length in tokens (longer texts are cropped at a random offset).
+        lr (float, default 1e-3): > 0, AdamW learning rate.
+        weight_decay (float, default 0.0): >= 0, AdamW weight decay.
+        max_grad_norm (float | None, default 1.0): > 0, gradient-norm clipping; None turns clipping off.
+        temperature (float, default 1.0): > 0, applied to both p and q.
+        eval_every (int | None, default 50): >= 1, evaluate U, alpha etc. on the evaluation set every this many
+            steps (and always at the start and the end); None evaluates only at the start and the end.
+        eval_fraction (float, default 0.1): in [0, 1), the share of every task's texts held out for the evaluations
+            when no ``eval_tasks`` are given: ``ceil(eval_fraction * n)`` of a task's n texts, at most
+            ``eval_examples``, chosen by a seeded shuffle (``split_seed``), are evaluated on (cropped to ``seq_len``)
+            and never trained on. 0 evaluates on the first ``eval_examples`` training texts instead.
+        eval_examples (int, default 32): >= 1, the most texts per task held out and evaluated when no
+            ``eval_tasks`` are given.
+        split_seed (int, default 0): in [0, 2**64), seeds the held-out split; kept apart from ``seed`` so runs with
+            different training seeds evaluate on the same texts.
+        checkpoint_dir (str | os.PathLike | None, default None): folder of ``drafter_checkpoint.safetensors``;
+            None writes no checkpoint.
+        checkpoint_every (int | None, default None): >= 1, steps between checkpoints (None: ``eval_every``); one
+            is always written at the end.
+        resume (bool, default True): continue from the checkpoint in ``checkpoint_dir`` when there is one (a
+            corrupt one raises :class:`CheckpointError` instead of being overwritten); False starts afresh and
+            replaces it at the first save.
+        seed (int, default 0): in [0, 2**64), seeds the minibatch sampler.
+        backend (str, default ``"auto"``): ``"auto"`` | ``"triton"`` | ``"torch"``, the divergence kernels.
+        autocast (bool | None, default None): bf16 autocast of the forward passes; None turns it on on CUDA only.
+        per_character (bool, default False): take the corrective (or exact-variance) weights on per-character values
+            ``v_i / rho_i`` and minimise ``sum_i w_i K_i / rho_i``, with ``rho_i`` the characters per token of task i
+            (see this module's docstring); needs ``method`` ``"scdf"`` or ``"exact_variance"``, and string texts with
+            a tokenizer (or token-id lists with a tokenizer to decode them, or ``chars_per_token=``).
+    """
+
+    method: str = "scdf"
+    weight_basis: str = "ce"
+    weight_floor: float = 0.0
+    normalize_weights: bool = False
+    steps: int = 200
+    batch_size_per_task: int = 8
+    seq_len: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    temperature: float = 1.0
+    eval_every: int | None = 50
+    eval_fraction: float = 0.1
+    eval_examples: int = 32
+    split_seed: int = 0
+    checkpoint_dir: str | os.PathLike | None = None
+    checkpoint_every: int | None = None
+    resume: bool = True
+    seed: int = 0
+    backend: str = "auto"
+    autocast: bool | None = None
+    per_character: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if not isinstance(self.per_character, bool):
+            raise TypeError(f"per_character must be True or False, got {self.per_character!r}")
+        if self.per_character and self.method not in PER_CHARACTER_METHODS:
+            raise ValueError(f"per_character=True reweights the tasks of method 'scdf' or 'exact_variance'; method "
+                             f"{self.method!r} has no per-task weights to take per character")
+        if self.weight_basis not in WEIGHT_BASES:
+            raise ValueError(f"weight_basis must be one of {WEIGHT_BASES}, got {self.weight_basis!r}")
+        for name, minimum in (("steps", 0), ("batch_size_per_task", 1), ("seq_len", 2), ("eval_examples", 1)):
+            check_int_at_least(getattr(self, name), name, minimum)
+        for name in ("eval_every", "checkpoint_every"):
+            check_int_at_least(getattr(self, name), name, 1, allow_none=True)
+        numbers = {"weight_floor": check_number(self.weight_floor, "weight_floor", 0.0),
+                   "lr": check_number(self.lr, "lr", 0.0, strict=True),
+                   "weight_decay": check_number(self.weight_decay, "weight_decay", 0.0),
+                   "temperature": check_number(self.temperature, "temperature", 0.0, strict=True),
+                   "eval_fraction": check_number(self.eval_fraction, "eval_fraction", 0.0)}
+        if numbers["eval_fraction"] >= 1:
+            raise ValueError(f"eval_fraction must be in [0, 1) (the share of each task's texts held out), got "
+                             f"{self.eval_fraction}")
+        if self.max_grad_norm is not None:
+            numbers["max_grad_norm"] = check_number(self.max_grad_norm, "max_grad_norm", 0.0, strict=True)
+        for name, value in numbers.items():  # ints given for floats are kept as floats (the checkpoint compares them)
+            object.__setattr__(self, name, value)
+        check_int_range(self.seed, "seed", 0, 2**64)
+        check_int_range(self.split_seed, "split_seed", 0, 2**64)
+        check_backend(self.backend)
+
+    def replace(self, **changes: Any) -> FinetuneConfig:
+        """A copy with ``changes`` applied (and checked); an unknown name raises TypeError naming it."""
+        return dataclasses.replace(self, **_known_settings(changes, "FinetuneConfig.replace()"))
+
+
+SETTINGS = tuple(f.name for f in dataclasses.fields(FinetuneConfig))
+
+
+def _known_settings(settings: Mapping[str, Any], caller: str) -> dict[str, Any]:
+    """``settings`` when every name is a :class:`FinetuneConfig` field, else TypeError naming the first unknown one."""
+    for name in settings:
+        if name not in SETTINGS:
+            close = difflib.get_close_matches(name, SETTINGS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; the settings are {', '.join(SETTINGS)}"
+            raise TypeError(f"{caller} got an unexpected keyword argument {name!r}{hint}")
+    return dict(settings)
+
+
+def resolve_config(config: FinetuneConfig | None, settings: Mapping[str, Any]) -> FinetuneConfig:
+    """The config of one :func:`finetune_drafter` call: ``config``, or one built from the setting keywords.
+
+    Raises TypeError naming the keywords when both are given (the settings belong in one place), an unknown keyword,
+    or a ``config`` that is not a :class:`FinetuneConfig`.
+    """
+    settings = _known_settings(settings, "finetune_drafter()")
+    if config is None:
+        return FinetuneConfig(**settings)
+    if not isinstance(config, FinetuneConfig):
+        raise TypeError(f"config must be a FinetuneConfig or None, got {type(config).__name__}")
+    if settings:
+        names = ", ".join(sorted(settings))
+        raise TypeError(f"finetune_drafter() got config= and the setting keyword(s) {names}: give the settings in "
+                        f"one place, e.g. config=config.replace({sorted(settings)[0]}=...)")
+    return config
+
+
+@dataclass
+class FinetuneResult:
+    """Result of :func:`finetune_drafter`.
+
+    drafter: the (in-place updated) drafter. history: one dict per evaluation (step 0 first, the final step last)
+    with ``step``, ``U`` (on the weight basis), ``U_ce``, ``U_kl``, ``U_tv``, ``mean_alpha``, ``worst_alpha``,
+    ``worst_task``, ``per_task`` (name -> ``{"ce", "kl", "tv", "alpha"}``) and ``train_loss`` (mean objective since
+    the previous evaluation). losses: the objective of every step run in this call. steps: the last step reached.
+    resumed_from: the step loaded from a checkpoint (0 when starting fresh). checkpoint_path: the checkpoint file.
+    config: the settings of the run. held_out: task -> the indices (into that task's texts as given) of the texts
+    held out for the evaluations and not trained on; None when ``eval_tasks`` were given or ``eval_fraction`` is 0.
+    chars_per_token: task -> ``rho_i``, the characters per token the per-character weights used (given or measured
+    on the task's texts); None when neither ``per_character`` nor ``chars_per_token=`` asked for them. With it, every
+    history entry also has ``U_char_ce``, ``U_char_kl`` and ``U_char_tv``, the unfairness of ``v_i / rho_i`` over the
+    evaluated tasks (those with a ``rho``), and with ``per_character`` ``U`` is ``U_char`` on the weight basis.
+    """
+
+    drafter: torch.nn.Module
+    history: list[dict[str, Any]]
+    losses: list[float] = field(default_factory=list)
+    steps: int = 0
+    method: str = "scdf"
+    weight_basis: str = "ce"
+    resumed_from: int = 0
+    checkpoint_path: str | None = None
+    config: FinetuneConfig | None = None
+    held_out: dict[str, list[int]] | None = None
+    chars_per_token: dict[str, float] | None = None
+
+    @property
+    def initial(self) -> dict[str, Any]:
+        return self.history[0]
+
+    @property
+    def final(self) -> dict[str, Any]:
+        return self.history[-1]
+
+
+def _tokenize_tasks(tasks: object, tokenizer: Any, name: str, add_special_tokens: bool, vocab_size: int,
+                    count_chars: bool = True) -> tuple[dict[str, list[tuple[int, list[int]]]], dict[str, float]]:
+    """Every text of ``tasks`` encoded once: ``{task: [(index of the text, its token ids), ...]}`` keeping the texts
+    of at least 2 tokens, and ``{task: rho}``, the characters per token ``sum len(text) / sum len(token ids)`` over
+    the kept texts, for the tasks whose characters can be counted (strings, or token-id lists with a tokenizer to
+    decode them); ``count_chars=False`` counts none (empty ``{}``, no ``decode`` call). Token ids outside
+    ``[0, vocab_size)`` raise ValueError naming the text; with a tokenizer, a task whose text it does not cover is
+    warned about (:func:`specdec.compat.check_task_texts`)."""
+    if not isinstance(tasks, Mapping):
+        raise TypeError(f"{name} must be a mapping from task name to a list of texts or token-id lists, "
+                        f"got {type(tasks).__name__}")
+    if len(tasks) == 0:
+        raise ValueError(f"{name} must contain at least one task")
+    out: dict[str, list[tuple[int, list[int]]]] = {}
+    rho: dict[str, float] = {}
+    encoded_tasks: dict[str, list[list[int]]] = {}
+    for task, items in tasks.items():
+        if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+            raise TypeError(f"{name}[{task!r}] must be a list of texts or token-id lists, got {type(items).__name__}")
+        encoded, chars = encode_items(items, tokenizer, f"{name}[{task!r}]", add_special_tokens, vocab_size,
+                                      count_chars=count_chars)
+        kept = [index for index, ids in enumerate(encoded) if len(ids) >= 2]
+        if not kept:
+            raise ValueError(f"{name}[{task!r}] has no text of at least 2 tokens")
+        out[str(task)] = [(index, encoded[index]) for index in kept]
+        counted = [chars[index] for index in kept]
+        if None not in counted and sum(counted) > 0:
+            rho[str(task)] = sum(counted) / sum(len(encoded[index]) for index in kept)
+        encoded_tasks[str(task)] = encoded
+    if tokenizer is not None:  # a tokenizer that does not cover a task's text: warn, naming the task
+        check_task_texts(encoded_tasks, tokenizer)
+    return out, rho
+
+
+def check_seq_len(seq_len: int, verifier: Any, drafter: Any) -> int:
+    """``seq_len`` when windows of that many tokens fit both models' positions (:func:`specdec.compat.pair_positions`),
+    else ValueError saying how many they have."""
+    seq_len = check_int_at_least(seq_len, "seq_len", 2)
+    positions = pair_positions(verifier, drafter)
+    if positions is not None and seq_len > positions:
+        raise ValueError(f"seq_len {seq_len} is more than the models' {positions} positions (max_position_embeddings): "
+                         f"use {positions} or less")
+    return seq_len
+
+
+def held_out_split(sizes: Mapping[str, int], eval_fraction: float = 0.1, max_examples: int = 32,
+                   seed: int = 0) -> dict[str, list[int]]:
+    """The indices of the texts held out for evaluation, per task: ``min(ceil(eval_fraction * n), max_examples)`` of a
+    task's ``n`` texts, at least 1, chosen by a shuffle seeded with ``seed`` and the task's name (so one task's split
+    does not depend on the others), returned sorted. The rest are the training texts. ValueError for a task with
+    fewer than 2 texts (nothing would be left to train on or to evaluate).
+    """
+    check_number(eval_fraction, "eval_fraction", 0.0, strict=True)
+    if eval_fraction >= 1:
+        raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
+    check_int_at_least(max_examples, "max_examples", 1)
+    check_int_range(seed, "seed", 0, 2**64)
+    split: dict[str, list[int]] = {}
+    for task, size in sizes.items():
+        check_int_at_least(size, f"sizes[{task!r}]", 0)
+        if size < 2:
+            raise ValueError(f"tasks[{task!r}] has {size} usable text(s) (of at least 2 tokens): too few to hold out "
+                             "evaluation texts and train on the rest; give more texts, pass eval_tasks=, or set "
+                             "eval_fraction=0 to evaluate on the training texts")
+        count = min(max(1, math.ceil(eval_fraction * size)), max_examples, size - 1)
+        order = list(range(size))
+        random.Random(f"specdec-held-out/{seed}/{task}").shuffle(order)
+        split[str(task)] = sorted(order[:count])
+    return split
+
+
+_SETTING_DEFAULTS = {"per_character": False, "chars_per_token": None}
+"""The values of run settings that checkpoints written before the setting existed were run with."""
+
+
+def _resolve_chars_per_token(given: Mapping[str, float] | None, per_character: bool, names: list[str],
+                             measured: Mapping[str, float],
+                             eval_measured: Mapping[str, float]) -> dict[str, float] | None:
+    """task -> rho (characters per token) for the training and evaluation tasks, or None when not asked for:
+    ``given``, else the ``measured`` ones of the training tasks and the ``eval_measured`` ones of the others."""
+    if given is None and not per_character:
+        return None
+    if given is not None:
+        if not isinstance(given, Mapping):
+            raise TypeError(f"chars_per_token must be a mapping from task name to characters per token, got "
+                            f"{type(given).__name__}")
+        checked = {str(name): check_number(value, f"chars_per_token[{name!r}]", 0.0, strict=True)
+                   for name, value in given.items()}
+        missing = [n for n in names if n not in checked]
+        if missing:
+            raise ValueError(f"chars_per_token has no entry for task(s) {', '.join(map(repr, missing))}: give one "
+                             "for every task of tasks")
+        return checked
+    rho = dict(measured)
+    missing = [n for n in names if n not in rho]
+    if missing:
+        raise ValueError(f"per_character=True needs the characters per token of task {missing[0]!r}: give its texts "
+                         f"as strings with tokenizer=, a tokenizer to decode its token ids, or chars_per_token="
+                         f"{{{missing[0]!r}: ...}}")
+    rho.update({n: value for n, value in eval_measured.items() if n not in rho})
+    return rho
+
+
+def _window(seq: list[int], seq_len: int, generator: torch.Generator) -> list[int]:
+    if len(seq) <= seq_len:
+        return seq
+    start = int(torch.randint(0, len(seq) - seq_len + 1, (1,), generator=generator))
+    return seq[start:start + seq_len]
+
+
+def _draw_global_batch(method: str, corpus: list[list[list[int]]], batch_size_per_task: int, seq_len: int,
+                       generator: torch.Generator) -> list[tuple[int, list[int]]]:
+    """(task index, token window) rows of one global minibatch; identical on every process (same generator)."""
+    rows: list[tuple[int, list[int]]] = []
+    if method == "uniform_kd":
+        pooled = [(i, j) for i, seqs in enumerate(corpus) for j in range(len(seqs))]
+        picks = torch.randint(0, len(pooled), (batch_size_per_task * len(corpus),), generator=generator).tolist()
+        for p in picks:
+            i, j = pooled[p]
+            rows.append((i, _window(corpus[i][j], seq_len, generator)))
+    else:
+        for i, seqs in enumerate(corpus):
+            picks = torch.randint(0, len(seqs), (batch_size_per_task,), generator=generator).tolist()
+            rows += [(i, _window(seqs[j], seq_len, generator)) for j in picks]
+    return rows
+
+
+def _evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module, eval_tokens: dict[str, list[list[int]]],
+              weight_basis: str, temperature: float, vocab_size: int, batch_size: int, backend: str,
+              autocast: bool, rho: Mapping[str, float] | None = None, per_character: bool = False) -> dict[str, Any]:
+    was_training = drafter.training
+    drafter.eval()
+    device = model_device(drafter)
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
+        divs = task_divergences(verifier, drafter, eval_tokens, batch_size=batch_size, temperature=temperature,
+                                backend=backend, vocab_size=vocab_size)
+    drafter.train(was_training)
+    per_task = {}
+    for name, div in divs.items():
+        m = div.means()
+        per_task[name] = {"ce": m["cross_entropy"], "kl": m["kl"], "tv": m["tv"], "alpha": m["alpha"]}
+    alphas = {n: v["alpha"] for n, v in per_task.items()}
+    worst = min(alphas, key=alphas.get)
+    entry = {f"U_{b}": unfairness([v[b] for v in per_task.values()]) for b in WEIGHT_BASES}
+    if rho is not None:
+        known = [n for n in per_task if n in rho]
+        for b in WEIGHT_BASES:
+            entry[f"U_char_{b}"] = unfairness([per_task[n][b] / rho[n] for n in known]) if known else None
+    basis_u = entry[f"U_char_{weight_basis}"] if per_character else entry[f"U_{weight_basis}"]
+    entry.update({"U": basis_u, "mean_alpha": sum(alphas.values()) / len(alphas),
+                  "worst_alpha": alphas[worst], "worst_task": worst, "per_task": per_task})
+    return entry
+
+
+def _check_models(drafter: torch.nn.Module, verifier: torch.nn.Module) -> torch.device:
+    """The models' device, after checking that the drafter is a separate, trainable module next to the verifier."""
+    check_model_pair(verifier, drafter)
+    if verifier is drafter:
+        raise ValueError("drafter and verifier must be different modules (the verifier is frozen)")
+    verifier_storage = {p.untyped_storage().data_ptr() for p in verifier.parameters()}
+    shared = [name for name, p in drafter.named_parameters() if p.untyped_storage().data_ptr() in verifier_storage]
+    if shared:
+        raise ValueError(f"drafter shares parameters with the verifier ({', '.join(shared[:4])}"
+                         f"{', ...' if len(shared) > 4 else ''}): finetuning would modify the frozen verifier; give "
+                         "the drafter its own copies")
+    if not any(p.requires_grad for p in drafter.parameters()):
+        raise ValueError("drafter has no parameter with requires_grad=True: nothing to finetune")
+    device = model_device(drafter)
+    if model_device(verifier) != device:
+        raise ValueError(f"verifier is on {model_device(verifier)} but drafter is on {device}: use one device")
+    return device
+
+
+def _step_weights(cfg: FinetuneConfig, task_ids: torch.Tensor, div: Any, num_tasks: int,
+                  distributed: bool, rho: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """Per-token weights, per-task weights, per-task basis values and the logged objective of one minibatch.
+
+    Per-task sums and counts of CE, KL and TV are all-reduced under ``torch.distributed`` so every process computes
+    the weights of the global minibatch. With ``cfg.per_character``, ``rho`` [m] holds the characters per token of
+    every task: the basis values are ``v_i / rho_i``, the weights ``w_i`` the corrective (or exact-variance) formula
+    on them, the per-token weights ``w_i / (rho_i N_i)`` and the objective ``sum_i w_i K_i / rho_i``.
+    """
+    import torch.distributed as dist
+
+    device = task_ids.device
+    stats = torch.zeros(4, num_tasks, dtype=torch.float64, device=device)
+    for k, value in enumerate((div.cross_entropy, div.kl, div.tv)):
+        stats[k].index_add_(0, task_ids, value.double())
+    stats[3].index_add_(0, task_ids, torch.ones_like(task_ids, dtype=torch.float64))
+    if distributed:
+        dist.all_reduce(stats)
+    counts = stats[3]
+    values = stats[:3] / counts.clamp_min(1)
+    basis = values[WEIGHT_BASES.index(cfg.weight_basis)]
+    if cfg.method == "uniform_kd":
+        token_weights = torch.full_like(task_ids, 1.0, dtype=torch.float32) / counts.sum().float()
+        weights = counts.float() / counts.sum().float()
+        return token_weights, weights, basis, float(stats[0].sum() / counts.sum())
+    basis, weights, multipliers = per_character_weights_unchecked(
+        basis, rho if cfg.per_character else torch.ones_like(counts),
+        cfg.method if cfg.method in PER_CHARACTER_METHODS else "uniform", floor=cfg.weight_floor,
+        normalize=cfg.normalize_weights, present=counts > 0)
+    token_weights = token_weights_unchecked(task_ids, multipliers, counts)
+    return token_weights, weights, basis, float((multipliers.double() * values[0]).sum())
+
+
+def finetune_drafter(
+    drafter: torch.nn.Module,
+    verifier: torch.nn.Module,
+    tasks: Mapping[str, Sequence[str] | Sequence[list[int]]],
+    *,
+    config: FinetuneConfig | None = None,
+    tokenizer: Any = None,
+    eval_tasks: Mapping[str, Sequence[str] | Sequence[list[int]]] | None = None,
+    add_special_tokens: bool = False,
+    pad_token_id: int = 0,
+    vocab_size: int | None = None,
+    progress: bool = True,
+    callback: Callable[[int, dict[str, Any]], None] | None = None,
+    chars_per_token: Mapping[str, float] | None = None,
+    **settings: Any,
+) -> FinetuneResult:
+    """Finetune ``drafter`` in place toward ``verifier`` with s-CDF or a baseline; the verifier is never modified.
+
+    Args:
+        drafter: HF causal LM to train (its parameters are updated in place; its train/eval mode is restored).
+        verifier: HF causal LM on the same device; run in eval mode under no_grad, its parameters untouched.
+        tasks: name -> list of texts (needs ``tokenizer``) or of token-id lists; the training data of each task.
+        config: the training settings, a :class:`FinetuneConfig` (default: ``FinetuneConfig()``).
+        tokenizer: HF-style tokenizer with ``encode(text, add_special_tokens=...)``, for string texts.
+        eval_tasks: held-out texts for the evaluations, like ``tasks``. Default: a seeded share of every task's texts
+            held out from training (``eval_fraction``, ``eval_examples`` and ``split_seed`` of the config; see
+            :func:`held_out_split`), cropped to ``seq_len``; ``eval_fraction=0`` evaluates on the first
+            ``eval_examples`` training texts instead.
+        add_special_tokens: passed to ``tokenizer.encode`` for string texts (e.g. to prepend BOS).
+        pad_token_id: id used to right-pad windows (masked out). vocab_size: shared id range of the two models;
+            needed when their output layers differ in size (see :func:`specdec.compat.resolve_vocab_size`).
+        progress: tqdm bar (rank 0 only).
+        callback: called as ``callback(step, info)`` after every step (info has ``loss``, ``weights``,
+            ``task_values`` (per character with ``per_character``), ``grad_norm``, the global gradient norm before
+            clipping, and ``chars_per_token``, the ``rho_i`` in task order, or None).
+        chars_per_token: task -> characters per token ``rho_i`` (> 0) for the per-character weights and figures,
+            covering every task of ``tasks`` (extra names are used for ``eval_tasks``). Default: measured on the
+            texts as given, ``sum len(text) / sum len(token ids)`` per task (token-id lists are decoded with
+            ``tokenizer``), when ``per_character`` is on; otherwise no per-character figures.
+        **settings: the fields of :class:`FinetuneConfig` as keywords (``method="scdf", steps=100, lr=5e-4, ...``),
+            which build the config when ``config`` is not given. Giving both, or a name that is not a field, raises
+            TypeError naming the keyword.
+
+    Returns:
+        :class:`FinetuneResult`.
+
+    Raises ValueError when the models' output sizes differ and ``vocab_size`` is not given, when ``seq_len`` is more
+    than the models' positions, when a task has too few texts to hold some out, or when ``per_character`` is on and a
+    task's characters per token can be neither measured nor found in ``chars_per_token``. Warns
+    (:class:`specdec.compat.SpecdecWarning`) for a task whose texts the tokenizer turns into many unknown tokens.
+    """
+    import torch.distributed as dist
+    from tqdm.auto import tqdm
+
+
+    device = _check_models(drafter, verifier)
+    cfg = resolve_config(config, settings)
+    vocab_size = shared_vocab_size(verifier, drafter, vocab_size, tokenizer=tokenizer)
+    check_int_range(pad_token_id, "pad_token_id", 0, vocab_size)
+    check_seq_len(cfg.seq_len, verifier, drafter)
+    autocast = device.type == "cuda" if cfg.autocast is None else bool(cfg.autocast)
+
+    count_chars = cfg.per_character and chars_per_token is None  # rho measured on the texts only then
+    tokenized, measured = _tokenize_tasks(tasks, tokenizer, "tasks", add_special_tokens, vocab_size, count_chars)
+    names = list(tokenized)
+    held_out = None
+    eval_measured: dict[str, float] = {}
+    if eval_tasks is not None:
+        corpus_map = {n: [t for _, t in rows] for n, rows in tokenized.items()}
+        eval_tokenized, eval_measured = _tokenize_tasks(eval_tasks, tokenizer, "eval_tasks", add_special_tokens,
+                                                        vocab_size, count_chars)
+        eval_tokens = {n: [t for _, t in rows] for n, rows in eval_tokenized.items()}
+    elif cfg.eval_fraction == 0:  # evaluated on training texts, as asked
+        corpus_map = {n: [t for _, t in rows] for n, rows in tokenized.items()}
+        eval_tokens = {n: [s[:cfg.seq_len] for s in corpus_map[n][:cfg.eval_examples]] for n in names}
+    else:
+        split = held_out_split({n: len(rows) for n, rows in tokenized.items()}, cfg.eval_fraction,
+                               cfg.eval_examples, cfg.split_seed)
+        held_out = {n: [tokenized[n][i][0] for i in split[n]] for n in names}
+        kept = {n: set(range(len(rows))) - set(split[n]) for n, rows in tokenized.items()}
+        corpus_map = {n: [t for i, (_, t) in enumerate(rows) if i in kept[n]] for n, rows in tokenized.items()}
+        eval_tokens = {n: [tokenized[n][i][1][:cfg.seq_len] for i in split[n]] for n in names}
+    corpus = [corpus_map[n] for n in names]
+    num_tasks = len(names)
+    rho_map = _resolve_chars_per_token(chars_per_token, cfg.per_character, names, measured, eval_measured)
+    rho_list = [rho_map[n] for n in names] if rho_map is not None else None  # [m] in task order
+    rho = torch.tensor(rho_list, dtype=torch.float64, device=device) if cfg.per_character else None
+
+    distributed = dist.is_available() and dist.is_initialized()
+    world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+    rows_per_step = cfg.batch_size_per_task * num_tasks
+    if rows_per_step < world:
+        raise ValueError(f"batch_size_per_task * num_tasks = {rows_per_step} is smaller than the world size {world}: "
+                         "every process needs at least one sequence")
+
+    # what a checkpoint must match to be resumed (the data included, through its digest)
+    run_settings = {"method": cfg.method, "weight_basis": cfg.weight_basis, "weight_floor": cfg.weight_floor,
+                    "tasks": names, "task_sizes": [len(c) for c in corpus],
+                    "batch_size_per_task": cfg.batch_size_per_task, "seq_len": cfg.seq_len, "lr": cfg.lr,
+                    "weight_decay": cfg.weight_decay, "max_grad_norm": cfg.max_grad_norm,
+                    "temperature": cfg.temperature, "seed": cfg.seed, "normalize_weights": cfg.normalize_weights,
+                    "eval_fraction": cfg.eval_fraction, "split_seed": cfg.split_seed,
+                    "tasks_digest": tasks_digest(corpus, eval_tokens), "per_character": cfg.per_character,
+                    "chars_per_token": rho_list if cfg.per_character else None}
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    ckpt_path = os.path.join(os.fspath(cfg.checkpoint_dir), CHECKPOINT_NAME) if cfg.checkpoint_dir is not None else None
+    checkpoint_every = cfg.checkpoint_every or cfg.eval_every
+    history: list[dict[str, Any]] = []
+    start_step = 0
+    since_eval: list[float] = []
+    verifier_was_training, drafter_was_training = verifier.training, drafter.training
+    verifier.eval()
+
+    def evaluate_now(step: int, train_loss: float | None) -> None:
+        entry = {"step": step, **_evaluate(verifier, drafter, eval_tokens, cfg.weight_basis, cfg.temperature,
+                                           vocab_size, cfg.batch_size_per_task, cfg.backend, autocast, rho_map,
+                                           cfg.per_character)}
+        entry["train_loss"] = train_loss
+        history.append(entry)
+
+    if ckpt_path is not None and cfg.resume and os.path.exists(ckpt_path):
+        ckpt = load_checkpoint(ckpt_path)  # CheckpointError on a bad file: nothing is overwritten
+        saved = ckpt["meta"]["config"]
+        different = sorted(k for k in run_settings if saved.get(k, _SETTING_DEFAULTS.get(k)) != run_settings[k])
+        if different:
+            raise CheckpointError(f"checkpoint {ckpt_path} was written by a run with different settings "
+                                  f"({', '.join(different)}); use another checkpoint_dir or resume=False")
+        restore_checkpoint(ckpt, drafter, optimizer, generator, ckpt_path)
+        start_step = int(ckpt["meta"]["step"])
+        history = list(ckpt["meta"]["history"])
+        since_eval = [float(x) for x in ckpt["meta"].get("since_eval", [])]
+    if not history:
+        evaluate_now(0, None)
+
+    model = drafter
+    if distributed:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda" else None)
+
+    def save(step: int) -> None:
+        if ckpt_path is None:
+            return
+        if rank == 0:
+            save_checkpoint(ckpt_path, drafter, optimizer, step, generator, history, run_settings, since_eval)
+        if distributed:
+            dist.barrier()
+
+    losses: list[float] = []
+    drafter.train()
+    bar = tqdm(total=cfg.steps, initial=min(start_step, cfg.steps), desc=f"finetune[{cfg.method}]",
+               disable=not progress or rank != 0)
+    try:
+        for step in range(start_step + 1, cfg.steps + 1):
+            rows = _draw_global_batch(cfg.method, corpus, cfg.batch_size_per_task, cfg.seq_len, generator)[rank::world]
+            ids, mask = pad_batch([r[1] for r in rows], pad_token_id, "right", device)
+            row_task = torch.tensor([r[0] for r in rows], dtype=torch.int64, device=device)
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
+                with torch.no_grad():
+                    v_logits, _ = prefix_logits(verifier, ids, mask, vocab_size)
+                d_logits, _ = prefix_logits(model, ids, mask, vocab_size)
+            task_ids = row_task[prefix_rows(mask)]
+            with torch.no_grad():
+                div = divergence(v_logits, d_logits.detach(), temperature=cfg.temperature, backend=cfg.backend)
+                token_weights, weights, basis, objective = _step_weights(cfg, task_ids, div, num_tasks, distributed,
+                                                                         rho)
+            loss = divergence_loss(d_logits, v_logits, weights=token_weights, temperature=cfg.temperature,
+                                   reduction="sum", backend=cfg.backend)
+            (loss * world).backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(
+                drafter.parameters(), cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(objective)
+            since_eval.append(objective)
+            bar.update(1)
+            if callback is not None:
+                callback(step, {"loss": objective, "weights": weights.tolist(), "task_values": basis.tolist(),
+                                "grad_norm": grad_norm,
+                                "chars_per_token": None if rho_list is None else list(rho_list)})
+            is_last = step == cfg.steps
+            if is_last or (cfg.eval_every is not None and step % cfg.eval_every == 0):
+                evaluate_now(step, sum(since_eval) / len(since_eval))
+                since_eval = []
+                u_now = history[-1]["U"]
+                bar.set_postfix(U="–" if u_now is None else f"{u_now:.4g}",
+                                worst_alpha=f"{history[-1]['worst_alpha']:.3f}")
+            if is_last or (checkpoint_every is not None and step % checkpoint_every == 0):
+                save(step)
+    finally:
+        bar.close()
+        drafter.train(drafter_was_training)
+        verifier.train(verifier_was_training)
+    return FinetuneResult(drafter=drafter, history=history, losses=losses, steps=max(start_step, cfg.steps),
+                          method=cfg.method, weight_basis=cfg.weight_basis, resumed_from=start_step,
+                          checkpoint_path=ckpt_path, config=cfg, held_out=held_out, chars_per_token=rho_map)

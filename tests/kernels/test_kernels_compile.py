@@ -1,0 +1,30 @@
+"""The rejection kernels compile for an H100 (sm_90) on this machine, without a GPU
+(``benchmarks/tools/compile_rejection.py``).
+
+The interpreter that runs the kernels in the CPU tests never calls Triton's compiler, so an error only the compiler
+raises (a jit helper called without a constexpr argument, a type mismatch between branches) would first show up on
+the GPU machine. Triton's front end and its NVIDIA back end (the bundled ``ptxas``) run on the CPU, so the kernel
+variants of the shipped launch plans are compiled here, in a subprocess without ``TRITON_INTERPRET``.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "benchmarks", "tools", "compile_rejection.py")
+
+
+def test_rejection_kernels_compile_for_sm90() -> None:
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    summary = re.fullmatch(r"# triton \S+, sm_90: (\d+)/(\d+) compiled \((\d+) distinct variants on the grid\)",
+                           lines[-1])
+    assert summary, done.stdout
+    compiled, total, distinct = (int(x) for x in summary.groups())
+    assert 0 < total <= distinct and compiled == total, done.stdout
+    assert sum(line.startswith("ok ") for line in lines) == total, done.stdout
+    assert not any(line.startswith("FAILED") for line in lines)
