@@ -6,8 +6,9 @@ Batching with ragged acceptance: all rows share one slot layout. After a round t
 ``max_b n_b + 1``; a row that accepted fewer drafts than the best row gets *holes* (attention-mask zeros) where its
 rejected drafts sat, and its recovered token goes into the first slot after the best row's accepted drafts. Position
 ids count only real tokens, so every row sees exactly its own sequence. Both KV caches are cropped back to the
-common length after every round (rejected tails are rolled back); the prompt is encoded once. The drafter absorbs
-every slot it has not seen at its next call, so rounds without drafts (K = 0) need no catch-up step.
+common length after every round (rejected tails are rolled back). The verifier's prompt pass samples the first token,
+as on the static path, so both paths make the same random draws for the same decisions and count the same calls. The
+drafter absorbs every slot it has not seen at its next call, so rounds without drafts (K = 0) need no catch-up step.
 """
 
 from __future__ import annotations
@@ -142,7 +143,6 @@ def decode_eager(verifier: torch.nn.Module, drafter: torch.nn.Module, input_ids:
     mask[:, :prompt_len] = attention_mask.to(torch.int64)
     positions[:, :prompt_len] = (attention_mask.to(torch.int64).cumsum(dim=1) - 1).clamp(min=0)
     next_position = attention_mask.to(torch.int64).sum(dim=1)  # [B] position id of the next real token
-    cur_len = prompt_len
 
     out_tokens = torch.full((batch, max_new_tokens), pad, dtype=torch.int64, device=device)
     generated = torch.zeros(batch, dtype=torch.int64, device=device)
@@ -153,10 +153,27 @@ def decode_eager(verifier: torch.nn.Module, drafter: torch.nn.Module, input_ids:
     accepted_per_position = torch.zeros((batch, max(max_drafts, 1)), dtype=torch.int64, device=device)
     attempted_per_position = torch.zeros((batch, max(max_drafts, 1)), dtype=torch.int64, device=device)
     rows = torch.arange(batch, device=device)
-    stream_pos = torch.zeros(batch, dtype=torch.int64, device=device)
     rounds: list[int] = []
 
-    while True:
+    # The prompt pass: the verifier encodes the prompts and samples the first token at stream position 0.
+    scores = process(verifier_run.forward(seq[:, :prompt_len], mask[:, :prompt_len], positions[:, :prompt_len], 1))
+    if bool(torch.isnan(scores).any()):
+        raise ValueError("a model produced NaN logits; refusing to turn NaN logits into tokens")
+    stream_pos = torch.zeros(batch, dtype=torch.int64, device=device)
+    first = torch.argmax(scores[:, 0], dim=-1) if greedy else exponential_race(scores[:, 0], row_seeds, stream_pos)
+    stream_pos = stream_pos + 1
+    out_tokens[:, 0] = first
+    generated += 1
+    counters["verifier_calls"] += 1
+    on_emit(batch)
+    finished = (first[:, None] == eos_tensor).any(dim=1) | (max_new_tokens <= 1)
+    seq[:, prompt_len] = first
+    mask[:, prompt_len] = 1
+    positions[:, prompt_len] = next_position
+    next_position = next_position + 1
+    cur_len = prompt_len + 1
+
+    while not bool(finished.all()):
         active = ~finished
         num_drafts = controller.choose() if controller is not None else draft_lengths[0]
         rounds.append(num_drafts)

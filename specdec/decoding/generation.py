@@ -44,13 +44,16 @@ class SpecDecodeStats:
     """Counters of a :func:`generate` call, per row ([B] or [B, K] int64 tensors on the CPU) and aggregated.
 
     drafted: drafts proposed while the row was active. accepted: drafts the verifier accepted.
-    generated: tokens emitted into the output. verifier_calls / drafter_calls: forward calls while active.
+    generated: tokens emitted into the output. verifier_calls / drafter_calls: forward calls while active; on both
+    paths the first verifier call is the prompt pass, which emits the first token, and every later one is a round
+    (so ``generated / verifier_calls`` sits below E[N] by about one round's share; :attr:`tokens_per_round` does not).
     accepted_per_position / attempted_per_position: [B, K] counts of acceptance tests at draft position j.
     wall_time_s: wall-clock time of the whole call (device synchronised).
     num_draft_tokens: K (the largest K for ``"auto"``). draft_lengths: the K of every round, in order.
     path: ``"static"`` (slot caches, CUDA graphs on CUDA) or ``"eager"`` (dynamic caches).
     fallback_reason: why the static path was not used, when it was asked for or would be the default; else None.
-    setup_time_s: graph capture and round timing paid by this call (about 0 when a previous call's are reused).
+    setup_time_s: graph capture, compilation and round timing paid by this call (about 0 when a previous call's are
+    reused). compiled: whether ``compile=True`` took effect (only the static path compiles).
     """
 
     drafted: torch.Tensor
@@ -66,6 +69,7 @@ class SpecDecodeStats:
     path: str = "eager"
     fallback_reason: str | None = None
     setup_time_s: float = 0.0
+    compiled: bool = False
 
     @property
     def acceptance_rate(self) -> torch.Tensor:
@@ -81,6 +85,12 @@ class SpecDecodeStats:
     def tokens_per_verifier_call(self) -> torch.Tensor:
         """[B] float: generated tokens per verifier forward call."""
         return self.generated.double() / self.verifier_calls.double()
+
+    @property
+    def tokens_per_round(self) -> torch.Tensor:
+        """[B] float: tokens emitted per round after the prompt pass, ``(generated - 1) / (verifier_calls - 1)``,
+        the measured counterpart of E[N] (NaN for a row that ended at its first token)."""
+        return (self.generated.double() - 1) / (self.verifier_calls.double() - 1)
 
     @property
     def total_acceptance_rate(self) -> float:
@@ -153,14 +163,16 @@ def generate(
             on the same device, sharing a vocabulary.
         input_ids: [B, L] int64 prompts, left-padded; attention_mask: [B, L] 0/1 (default: all ones).
         max_new_tokens: per-row cap on generated tokens (>= 1).
-        num_draft_tokens: K >= 0 drafts per round (0: plain decoding with the verifier alone), or ``"auto"``: K
+        num_draft_tokens: K >= 0 drafts per round (0: plain decoding with the verifier alone; capped at
+            ``max_new_tokens - 1``, the most a round can emit after the prompt pass), or ``"auto"``: K
             chosen before every round from the measured acceptance and round times, among
             ``(0, 1, 2, 3, 4, 6, 8)``, so that a drafter that is rarely accepted costs about nothing.
         temperature: 0 is greedy (a draft is accepted iff it is the verifier's argmax, ties to the lowest id);
             > 0 samples from ``softmax(filter(logits / T))`` where ``filter`` applies ``top_k`` then ``top_p``
             identically to both models.
-        eos_token_id: int or list; a row stops after emitting one. seed: makes sampling reproducible (the two
-            paths draw from different random streams, so a seed reproduces a run of the same path).
+        eos_token_id: int or list; a row stops after emitting one. seed: makes sampling reproducible; both paths
+            make the same draws, so a seed gives the same samples on either (for a fixed K). None draws the row seeds
+            from torch's global generator, so ``torch.manual_seed`` reproduces a call, as in transformers.
         backend: rejection-sampler backend ("auto", "triton", "torch").
         pad_token_id: right-padding of finished rows (default: the first eos id, else 0).
         vocab_size: the number of real token ids (e.g. ``len(tokenizer)``), required when the two models' vocab
@@ -173,7 +185,8 @@ def generate(
             capture error) falls back to the eager path with the reason in ``stats.fallback_reason``.
         compile: on the static path, fuse each model's forward call with ``torch.compile`` before its rounds are
             captured: decoding steps run several times faster (fewer, fused kernels), at a one-time compilation
-            cost of tens of seconds per model pair and batch size (reported in ``stats.setup_time_s``).
+            cost of tens of seconds per model pair and batch size (reported in ``stats.setup_time_s``). The eager
+            path does not compile: there ``compile=True`` warns and ``stats.compiled`` is False.
 
     Returns:
         :class:`GenerateOutput` with ``sequences`` [B, L + max generated] and ``stats``.
@@ -208,6 +221,9 @@ def generate(
         draft_lengths = AUTO_DRAFT_LENGTHS
     else:
         draft_lengths = (check_int_at_least(num_draft_tokens, "num_draft_tokens", 0),)
+    # The prompt pass emits the first token: more drafts than the tokens left after it can never be emitted.
+    useful_drafts = max_new_tokens - 1
+    draft_lengths = tuple(sorted({min(k, useful_drafts) for k in draft_lengths}))
     max_drafts = max(draft_lengths)
     temperature = check_temperature(temperature)
     top_k = check_int_at_least(top_k, "top_k", 0)
@@ -250,11 +266,9 @@ def generate(
     pad = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
     _warn_past_positions(verifier, drafter, prompt_len, max_new_tokens, max_drafts)
 
-    generator = torch.Generator(device="cpu")
+    generator = None  # seed=None draws from torch's global generator, so torch.manual_seed reproduces a call
     if seed is not None:
-        generator.manual_seed(seed)
-    else:
-        generator.seed()
+        generator = torch.Generator(device="cpu").manual_seed(seed)
     row_seeds = torch.randint(0, 2**62, (batch,), generator=generator, dtype=torch.int64).to(device)
     draft_seeds = row_seeds ^ _DRAFT_STREAM_SALT
 
@@ -279,6 +293,10 @@ def generate(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     wall_time = time.perf_counter() - start_time
+    path = "static" if use_static and reason is None else "eager"
+    if compile and path == "eager":
+        warnings.warn("compile=True has no effect on the eager path (only the static path compiles its decoding "
+                      f"step){': ' + reason if reason else ''}", SpecdecWarning, stacklevel=3)
     generated = result.generated
     max_generated = int(generated.max())
     sequences = torch.cat([input_ids.to(torch.int64), result.tokens[:, :max_generated]], dim=1)
@@ -289,8 +307,7 @@ def generate(
         accepted_per_position=result.accepted_per_position[:, :max(max_drafts, 1)].cpu(),
         attempted_per_position=result.attempted_per_position[:, :max(max_drafts, 1)].cpu(),
         wall_time_s=wall_time, num_draft_tokens=max_drafts, draft_lengths=result.draft_lengths,
-        path="static" if use_static and reason is None else "eager", fallback_reason=reason,
-        setup_time_s=result.setup_seconds,
+        path=path, fallback_reason=reason, setup_time_s=result.setup_seconds, compiled=compile and path == "static",
     )
     return GenerateOutput(sequences=sequences, stats=stats)
 
@@ -299,6 +316,7 @@ def _warn_past_positions(verifier: torch.nn.Module, drafter: torch.nn.Module, pr
                          max_drafts: int) -> None:
     """SpecdecWarning when a row can reach past the positions the models were built for (a last round writes up to
     K drafts past the budget): models with learned position embeddings fail there, rotary ones drift."""
+
     positions = pair_positions(verifier, drafter)
     needed = prompt_len + max_new_tokens + max_drafts
     if positions is not None and needed > positions:

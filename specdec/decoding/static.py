@@ -13,7 +13,13 @@ may already hold changes nothing), which keeps the shapes fixed whether the last
 A round with K = 0 is plain decoding and leaves the drafter behind; a catch-up call over the last ``CATCH_UP``
 slots brings it back before the next speculative round.
 
-Finished rows keep riding along (fixed shapes) but neither advance nor emit.
+Finished rows keep riding along (fixed shapes) but neither advance nor emit. A row's ``slot_len`` is always
+``L + generated`` (it advances by the tokens it emits, a round cut by eos or the budget included), so with at most
+``max_new_tokens`` emitted its reads and writes stay below ``L + max_new_tokens + K + 1``, the cache's capacity.
+
+Rope positions come from a per-row table, ``slot_positions`` [B, S]: for prompt slots ``cumsum(mask) - 1`` (as
+transformers' ``generate`` computes them, so a mask with zeros inside the prompt is handled as there), and for
+generated slots the prompt's real-token count plus the generated index.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from specdec.kernels.rejection_sampling_reference import exponential_race
 CATCH_UP = 16  # drafter catch-up window; the automatic K probes a speculative round at least this often
 SLOT_BUCKET = 64  # cache capacities are rounded up to this, so calls of similar length share graphs
 MAX_ENGINES = 2  # static engines (caches and graphs) kept per verifier
+MAX_SAMPLINGS = 2  # sampling settings whose captured rounds an engine keeps (each: up to 7 K values and a catch-up)
 
 
 @dataclass(frozen=True)
@@ -50,12 +57,12 @@ class Sampling:
 
 
 def _slot_step(model: torch.nn.Module, cache: SlotCache, ids: torch.Tensor, slots: torch.Tensor,
-               key_ok: torch.Tensor, pad_offset: torch.Tensor, dtype: torch.dtype, additive: bool, keep: int,
+               key_ok: torch.Tensor, slot_positions: torch.Tensor, dtype: torch.dtype, additive: bool, keep: int,
                keep_kwarg: bool, cache_kwarg: str) -> torch.Tensor:
     """One forward call of ``model`` on the slot cache: logits [B, keep, V_model] of the last ``keep`` tokens."""
     cache.write_slots = slots
     mask = slot_attention_mask(key_ok, slots, dtype, additive)
-    positions = (slots - pad_offset[:, None]).clamp(min=0)
+    positions = slot_positions.gather(1, slots)
     extra = {"logits_to_keep": keep} if keep_kwarg else {}
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                 **{cache_kwarg: cache}, **extra)
@@ -65,16 +72,17 @@ def _slot_step(model: torch.nn.Module, cache: SlotCache, ids: torch.Tensor, slot
 class _ModelSlot:
     """One model with its slot cache: ``forward(ids [B, T], slots [B, T], keep) -> [B, keep, vocab]`` logits.
 
-    ``compile_model``: the step goes through ``torch.compile`` (fused kernels; compiled at the first call of each
-    shape, before the round is captured in a CUDA graph).
+    ``key_ok`` [B, S] bool (False at prompt padding) and ``slot_positions`` [B, S] int64 (the rope position of every
+    slot) are the engine's tensors, refilled in place for each call. ``compile_model``: the step goes through
+    ``torch.compile`` (fused kernels; compiled at the first call of each shape, before the round is captured).
     """
 
     def __init__(self, model: torch.nn.Module, batch: int, capacity: int, vocab: int, key_ok: torch.Tensor,
-                 pad_offset: torch.Tensor, compile_model: bool = False):
+                 slot_positions: torch.Tensor, compile_model: bool = False):
         self.model = weakref.ref(model)  # cached engines must not keep a deleted model alive
         self.vocab = vocab
         self.cache = SlotCache(batch, capacity)
-        self.key_ok, self.pad_offset = key_ok, pad_offset
+        self.key_ok, self.slot_positions = key_ok, slot_positions
         self.additive_mask = model.config._attn_implementation == "eager"
         self.dtype = next(model.parameters()).dtype
         self.has_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -83,7 +91,7 @@ class _ModelSlot:
 
     def forward(self, ids: torch.Tensor, slots: torch.Tensor, keep: int, eager: bool = False) -> torch.Tensor:
         step = _slot_step if eager else self.step
-        logits = step(self.model(), self.cache, ids, slots, self.key_ok, self.pad_offset, self.dtype,
+        logits = step(self.model(), self.cache, ids, slots, self.key_ok, self.slot_positions, self.dtype,
                       self.additive_mask, keep, self.has_logits_to_keep, self.cache_kwarg)
         return logits[..., : self.vocab]
 
@@ -107,17 +115,22 @@ def _compiled_slot_step():
 
 
 class StaticEngine:
-    """Caches, device state and captured rounds for one (verifier, drafter, batch, capacity) combination."""
+    """Caches, device state and captured rounds for one (verifier, drafter, batch, capacity) combination.
 
-    def __init__(self, verifier: torch.nn.Module, drafter: torch.nn.Module, batch: int, capacity: int, vocab: int,
-                 max_drafts: int, num_eos: int, device: torch.device, backend: str, use_graphs: bool,
+    ``drafter`` is None for plain decoding (``max_drafts == 0``): no drafter cache, no drafter call.
+    """
+
+    def __init__(self, verifier: torch.nn.Module, drafter: torch.nn.Module | None, batch: int, capacity: int,
+                 vocab: int, max_drafts: int, num_eos: int, device: torch.device, backend: str, use_graphs: bool,
                  compile_models: bool = False):
         self.device, self.backend, self.use_graphs = device, backend, use_graphs
+        self.compile_models = compile_models
         zeros = lambda *shape, dtype=torch.int64: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
-        self.key_ok = torch.ones((batch, capacity), dtype=torch.bool, device=device)
-        self.pad_offset = zeros(batch)
-        self.verifier = _ModelSlot(verifier, batch, capacity, vocab, self.key_ok, self.pad_offset, compile_models)
-        self.drafter = _ModelSlot(drafter, batch, capacity, vocab, self.key_ok, self.pad_offset, compile_models)
+        self.key_ok = torch.ones((batch, capacity), dtype=torch.bool, device=device)  # [B, S] False at padding
+        self.slot_positions = zeros(batch, capacity)  # [B, S] rope position of every slot
+        self.verifier = _ModelSlot(verifier, batch, capacity, vocab, self.key_ok, self.slot_positions, compile_models)
+        self.drafter = None if drafter is None else _ModelSlot(drafter, batch, capacity, vocab, self.key_ok,
+                                                                self.slot_positions, compile_models)
         self.seq = zeros(batch, capacity)
         self.slot_len, self.prev, self.pending = zeros(batch), zeros(batch), zeros(batch)
         self.generated, self.stream_pos = zeros(batch), zeros(batch)
@@ -131,15 +144,27 @@ class StaticEngine:
         self.attempted_per_position = zeros(batch, max(max_drafts, 1))
         self.flags = zeros(5)  # all finished, bad logits, accepted, attempted, emitted (this round)
         self.flags_host = torch.zeros(5, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.steps: dict[tuple, Callable[[], None]] = {}
+        self.steps: OrderedDict[Sampling, dict[tuple, Callable[[], None]]] = OrderedDict()  # LRU, MAX_SAMPLINGS
         self.step_seconds: dict[tuple, float] = {}
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self._park()
         # one eager call per model allocates the cache buffers before any capture
         ids = zeros(batch, 1)
         slots = zeros(batch, 1)
-        self.verifier.forward(ids, slots, 1, eager=True)
-        self.drafter.forward(ids, slots, 1, eager=True)
+        for model_slot in self.model_slots():
+            model_slot.forward(ids, slots, 1, eager=True)
+
+    def model_slots(self) -> list[_ModelSlot]:
+        return [self.verifier] if self.drafter is None else [self.verifier, self.drafter]
+
+    def serves(self, verifier: torch.nn.Module, drafter: torch.nn.Module | None) -> bool:
+        """Whether this engine was built for these very model objects (a freed model's id can be reused)."""
+        if self.verifier.model() is not verifier:
+            return False
+        return drafter is None if self.drafter is None else self.drafter.model() is drafter
+
+    def num_captured_rounds(self) -> int:
+        return sum(len(rounds) for rounds in self.steps.values())
 
     # ------------------------------------------------------------------ state
     def _park(self) -> None:
@@ -157,7 +182,9 @@ class StaticEngine:
         mask = attention_mask.to(torch.bool)
         self.key_ok.fill_(True)
         self.key_ok[:, :prompt_len] = mask
-        self.pad_offset.copy_(prompt_len - mask.sum(dim=1))
+        real = mask.to(torch.int64).sum(dim=1, keepdim=True)  # [B, 1] real prompt tokens
+        self.slot_positions.copy_(torch.arange(self.slot_positions.shape[1], device=self.device) - prompt_len + real)
+        self.slot_positions[:, :prompt_len] = (mask.to(torch.int64).cumsum(dim=1) - 1).clamp(min=0)
         self.seq.zero_()
         self.seq[:, :prompt_len] = input_ids
         self.max_new.fill_(max_new_tokens)
@@ -170,7 +197,8 @@ class StaticEngine:
         for counter in (*self.counters.values(), self.accepted_per_position, self.attempted_per_position):
             counter.zero_()
         slots = torch.arange(prompt_len, device=self.device).expand(batch, prompt_len)
-        self.drafter.forward(input_ids, slots, 1, eager=True)  # (prompt lengths vary: never compiled)
+        if self.drafter is not None:
+            self.drafter.forward(input_ids, slots, 1, eager=True)  # (prompt lengths vary: never compiled)
         logits = self.verifier.forward(input_ids, slots, 1, eager=True)[:, 0]
         self.stream_pos.zero_()
         first, bad = self._sample_verifier(logits, sampling)
@@ -260,7 +288,7 @@ class StaticEngine:
         committed = torch.cat([self.pending[:, None], tokens.clamp(min=0)], dim=1)
         self.prev.copy_(torch.where(active, committed.gather(1, num_accepted[:, None])[:, 0], self.prev))
         self.pending.copy_(torch.where(active, committed.gather(1, num_accepted[:, None] + 1)[:, 0], self.pending))
-        self.slot_len.add_(torch.where(active, num_accepted + 1, 0))
+        self.slot_len.add_(count)  # (count is 0 for finished rows; a cut round ends its row)
         self.stream_pos.add_(num_drafts + 1)
         self.counters["verifier_calls"].add_(active)
         self.counters["accepted"].add_(accepted)
@@ -270,9 +298,19 @@ class StaticEngine:
 
     # ------------------------------------------------------------------ capture and replay
     def step(self, kind: str, num_drafts: int, sampling: Sampling) -> Callable[[], None]:
-        """The captured (or, without graphs, the plain) callable of one round kind."""
-        key = (kind, num_drafts, sampling)
-        if key not in self.steps:
+        """The captured (or, without graphs, the plain) callable of one round kind; the rounds of the
+        :data:`MAX_SAMPLINGS` most recently used sampling settings are kept."""
+        if sampling in self.steps:
+            self.steps.move_to_end(sampling)
+        else:
+            while len(self.steps) >= MAX_SAMPLINGS:
+                old_sampling, dropped = self.steps.popitem(last=False)
+                for dropped_kind, dropped_drafts in dropped:
+                    self.step_seconds.pop((dropped_kind, dropped_drafts, old_sampling), None)
+            self.steps[sampling] = {}
+        rounds = self.steps[sampling]
+        key = (kind, num_drafts)
+        if key not in rounds:
             if kind == "catch_up":
                 body = self._catch_up
             elif kind != "round":
@@ -281,11 +319,14 @@ class StaticEngine:
                 body = lambda: self._plain_round(sampling)  # noqa: E731
             else:
                 body = lambda: self._speculative_round(num_drafts, sampling)  # noqa: E731
-            self.steps[key] = self._capture(body)
-        return self.steps[key]
+            rounds[key] = self._capture(body)
+        return rounds[key]
 
     def _capture(self, body: Callable[[], None]) -> Callable[[], None]:
         if not self.use_graphs:
+            if self.compile_models:  # compile now, so that its cost is setup time, not decoding time
+                self._park()
+                body()
             return body
         self._park()
         stream = torch.cuda.Stream(self.device)
@@ -347,28 +388,51 @@ def _median_seconds(fn: Callable[[], None], device: torch.device, repeats: int) 
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _fingerprint(model: torch.nn.Module) -> tuple:
-    return tuple((p.data_ptr(), p.dtype, tuple(p.shape)) for p in model.parameters())
+def capture_facts(model: torch.nn.Module) -> tuple:
+    """Everything about ``model`` that a captured round depends on: its parameters and buffers (addresses, dtypes,
+    shapes: in-place updates keep a capture valid, reassigned tensors do not), its attention implementation (the
+    mask form), whether it takes ``logits_to_keep`` and the name of its cache argument."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return (tuple((x.data_ptr(), x.dtype, tuple(x.shape)) for x in tensors),
+            getattr(model.config, "_attn_implementation", None),
+            "logits_to_keep" in inspect.signature(model.forward).parameters, cache_argument(model))
 
 
-def get_engine(verifier: torch.nn.Module, drafter: torch.nn.Module, batch: int, needed_slots: int, vocab: int,
+def get_engine(verifier: torch.nn.Module, drafter: torch.nn.Module | None, batch: int, needed_slots: int, vocab: int,
                max_drafts: int, num_eos: int, device: torch.device, backend: str, use_graphs: bool,
                compile_models: bool = False) -> StaticEngine:
-    """A cached engine for these models and shapes, or a new one (kept, at most :data:`MAX_ENGINES` per verifier)."""
+    """A cached engine for these models and shapes, or a new one (kept, at most :data:`MAX_ENGINES` per verifier).
+
+    The key is (the drafter object, :func:`capture_facts` of both models, batch, capacity bucket, vocabulary, largest
+    K, eos slots, device, backend, graphs, compile); plain decoding (``max_drafts == 0``) uses no drafter. An engine
+    is dropped when its drafter is freed, and a hit is checked to serve these very objects, so a new object that
+    reuses a freed one's id never meets a dead engine.
+    """
+    if max_drafts == 0:
+        drafter = None
     capacity = -(-needed_slots // SLOT_BUCKET) * SLOT_BUCKET
     eos_slots = 1 << max(num_eos - 1, 0).bit_length()
-    key = (id(drafter), _fingerprint(verifier), _fingerprint(drafter), batch, capacity, vocab, max_drafts, eos_slots,
-           str(device), backend, use_graphs, compile_models)
+    key = (id(drafter), capture_facts(verifier), None if drafter is None else capture_facts(drafter), batch, capacity,
+           vocab, max_drafts, eos_slots, str(device), backend, use_graphs, compile_models)
     engines = _ENGINES.setdefault(verifier, OrderedDict())
-    if key in engines:
+    if key in engines and engines[key].serves(verifier, drafter):
         engines.move_to_end(key)
         return engines[key]
+    engines.pop(key, None)
     while len(engines) >= MAX_ENGINES:
         engines.popitem(last=False)
     engine = StaticEngine(verifier, drafter, batch, capacity, vocab, max_drafts, eos_slots, device, backend,
                           use_graphs, compile_models)
     engines[key] = engine
+    if drafter is not None:  # an engine whose drafter is freed can never match again: drop it then
+        weakref.finalize(drafter, _drop_engine, weakref.ref(verifier), key)
     return engine
+
+
+def _drop_engine(verifier_ref: weakref.ref, key: tuple) -> None:
+    verifier = verifier_ref()
+    if verifier is not None and verifier in _ENGINES:
+        _ENGINES[verifier].pop(key, None)
 
 
 def clear_engines(verifier: torch.nn.Module | None = None) -> None:

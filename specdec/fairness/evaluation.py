@@ -205,14 +205,18 @@ def _generation_figures(runs: Sequence[SpeculativeRun], tokenizer: Any) -> dict[
             width, sequences = run.prompt_width, run.output.sequences.tolist()
             for row, length in zip(sequences, stats.generated.tolist(), strict=True):
                 chars += decoded_length(tokenizer, row[width:width + length])  # an emitted eos is no text
-    tokens_per_call = generated / calls if calls else float("nan")
+    # Every row's first verifier call is its prompt pass, which emits one token: per call means per round after it,
+    # the measured counterpart of E[N] (as SpecDecodeStats.tokens_per_round).
+    rounds = calls - prompts
+    tokens_per_call = (generated - prompts) / rounds if rounds > 0 else float("nan")
+    chars_per_token = chars / generated if (tokenizer is not None and generated) else None
     return {
         "num_prompts": prompts, "generated_tokens": generated,
         "alpha_measured": accepted_tested / tested if tested else None,
         "acceptance_rate": accepted / drafted if drafted else None,
         "tokens_per_call": tokens_per_call,
-        "chars_per_call": chars / calls if (tokenizer is not None and calls) else None,
-        "gen_chars_per_token": chars / generated if (tokenizer is not None and generated) else None,
+        "chars_per_call": chars_per_token * tokens_per_call if chars_per_token is not None else None,
+        "gen_chars_per_token": chars_per_token,
     }
 
 

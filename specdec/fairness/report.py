@@ -66,10 +66,10 @@ class TaskFairness:
     num_prompts: int = 0
     alpha_measured: float | None = None  # accepted / tested drafts
     acceptance_rate: float | None = None  # accepted / drafted
-    tokens_per_call: float | None = None  # generated tokens per verifier call
+    tokens_per_call: float | None = None  # generated tokens per verifier round (the prompt pass left out)
     tokens_per_call_predicted: float | None = None  # E[N] from alpha_T
     speedup_predicted_generation: float | None = None  # tokens_per_call / (K c + 1)
-    chars_per_call: float | None = None  # characters of generated text per verifier call
+    chars_per_call: float | None = None  # characters of generated text per verifier round
     char_speedup_predicted_generation: float | None = None  # speedup_predicted_generation rho_T / mean rho
     # timed: wall clock of specdec.generate against the verifier's own generate on the task's prompts
     speedup_measured: float | None = None  # median over repetitions of the ratio of tokens per second
