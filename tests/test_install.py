@@ -57,3 +57,15 @@ def test_pip_install_ships_mgsm_and_evaluate_runs_on_it(tmp_path):
 def _mkdir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def test_the_readmes_cpu_install_selects_a_cpu_build_and_ci_runs_it_as_written():
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    install = readme.split("## Install", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = [line.strip() for line in install.strip().splitlines() if line.strip().startswith("pip install")]
+    torch_line = next(line for line in commands if "torch==" in line)
+    # a bare `pip install torch` resolves to the CUDA build on Linux; the CPU build comes from PyTorch's CPU index
+    assert "--index-url https://download.pytorch.org/whl/cpu" in torch_line
+    ci = (REPO_ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    for command in commands:
+        assert command in ci, f"{command!r} is in README's install but not run by .ci/run"
