@@ -22,13 +22,20 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.fixture(scope="module")
-def verifier():
-    return tiny_llama(vocab_size=VOCAB, hidden_size=64, num_layers=2, seed=0, init_std=0.3).to(DEVICE)
+def models():
+    verifier = tiny_llama(vocab_size=VOCAB, hidden_size=64, num_layers=2, seed=0, init_std=0.3)
+    drafter = perturbed_copy(verifier, noise=0.03, seed=1)  # accepted 20-45% of the time by row
+    return verifier.to(DEVICE), drafter.to(DEVICE)
 
 
 @pytest.fixture(scope="module")
-def drafter(verifier):
-    return perturbed_copy(verifier.cpu(), noise=0.03, seed=1).to(DEVICE)  # accepted 20-45% of the time by row
+def verifier(models):
+    return models[0]
+
+
+@pytest.fixture(scope="module")
+def drafter(models):
+    return models[1]
 
 
 def _reference(model, input_ids, attention_mask, max_new_tokens):
@@ -80,8 +87,9 @@ def test_gpu_cache_capacity_edge_with_graphs_and_compile(verifier, drafter, num_
 
 
 def test_switching_the_attention_implementation_between_calls_recaptures():
-    verifier = tiny_llama(vocab_size=VOCAB, hidden_size=64, num_layers=2, seed=5, init_std=0.3).to(DEVICE)
-    drafter = perturbed_copy(verifier.cpu(), noise=0.3, seed=6).to(DEVICE)
+    verifier = tiny_llama(vocab_size=VOCAB, hidden_size=64, num_layers=2, seed=5, init_std=0.3)
+    drafter = perturbed_copy(verifier, noise=0.3, seed=6).to(DEVICE)
+    verifier = verifier.to(DEVICE)
     input_ids, attention_mask = _prompts([7, 3, 5], seed=7)
     for implementation in ("sdpa", "eager", "sdpa"):
         for model in (verifier, drafter):
