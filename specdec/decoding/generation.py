@@ -12,11 +12,13 @@ fall back to it, and ``stats.fallback_reason`` says why.
 
 from __future__ import annotations
 
+import functools
 import numbers
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -135,6 +137,26 @@ class GenerateOutput:
     stats: SpecDecodeStats
 
 
+def _in_eval_mode(function: Callable) -> Callable:
+    """Runs ``function(verifier, drafter, ...)`` with both models in eval mode (no dropout: the law the output follows
+    is the deterministic verifier's) and restores every submodule's mode afterwards."""
+
+    @functools.wraps(function)
+    def wrapper(verifier: torch.nn.Module, drafter: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        modes = [(module, module.training) for model in (verifier, drafter) if isinstance(model, torch.nn.Module)
+                 for module in model.modules()]
+        for module, _ in modes:
+            module.training = False
+        try:
+            return function(verifier, drafter, *args, **kwargs)
+        finally:
+            for module, training in modes:
+                module.training = training
+
+    return wrapper
+
+
+@_in_eval_mode
 @torch.no_grad()
 def generate(
     verifier: torch.nn.Module,
@@ -190,6 +212,9 @@ def generate(
 
     Returns:
         :class:`GenerateOutput` with ``sequences`` [B, L + max generated] and ``stats``.
+
+    Both models run in eval mode for the call (a model built with ``Model(config)`` starts in train mode, and dropout
+    would make the output follow no fixed law); their modes are restored afterwards.
     """
     check_model_pair(verifier, drafter)
     check_tensor(input_ids, "input_ids", 2, integer_dtype=True, shape_doc="[B, L]")

@@ -205,3 +205,22 @@ def test_compile_on_the_eager_path_warns_and_is_reported(verifier, drafter):
                                compile=True)
     assert out.stats.compiled is False
     assert any(issubclass(w.category, SpecdecWarning) and "compile=True" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_train_mode_models_decode_as_in_eval_mode_and_keep_their_modes(static):
+    # with dropout active the output would follow no fixed law; generate runs both models in eval mode
+    verifier = tiny_llama(vocab_size=VOCAB, hidden_size=64, num_layers=2, seed=41, init_std=0.3,
+                          attention_dropout=0.5)
+    drafter = perturbed_copy(verifier, noise=0.03, seed=42)
+    verifier, drafter = verifier.to(DEVICE), drafter.to(DEVICE)
+    input_ids, attention_mask = _prompts([6, 4], seed=43)
+    expected = _reference(verifier.eval(), input_ids, attention_mask, 8)
+    verifier.train()
+    drafter.train()
+    drafter.model.layers[0].eval()  # a mixed state must come back as it was
+    out = specdec.generate(verifier, drafter, input_ids, attention_mask, max_new_tokens=8, num_draft_tokens=3,
+                           pad_token_id=0, static=static)
+    assert torch.equal(out.sequences, expected)
+    assert verifier.training and drafter.training and not drafter.model.layers[0].training
+    assert drafter.model.layers[1].training
