@@ -109,6 +109,12 @@ class SpecDecodeStats:
         """Pooled generated tokens per verifier call (a batched call counts once per active row)."""
         return float(self.generated.sum()) / max(int(self.verifier_calls.sum()), 1)
 
+    @property
+    def total_tokens_per_round(self) -> float:
+        """Pooled tokens per verifier round after the prompt pass (NaN when no row ran a round)."""
+        rounds = int(self.verifier_calls.sum()) - self.verifier_calls.numel()
+        return (int(self.generated.sum()) - self.generated.numel()) / rounds if rounds > 0 else float("nan")
+
     def summary(self) -> dict[str, float | list[float]]:
         """Aggregated figures as plain Python numbers."""
         return {
@@ -120,6 +126,8 @@ class SpecDecodeStats:
             "acceptance_rate": self.total_acceptance_rate,
             "acceptance_per_position": self.total_acceptance_per_position.tolist(),
             "tokens_per_verifier_call": self.total_tokens_per_verifier_call,
+            "tokens_per_round": self.total_tokens_per_round,
+            "compiled": self.compiled,
             "wall_time_s": self.wall_time_s,
             "path": self.path,
             "fallback_reason": self.fallback_reason,

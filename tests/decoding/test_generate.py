@@ -187,6 +187,7 @@ def test_identical_drafter_accepts_everything(verifier, drafters, static):
     assert out.stats.total_acceptance_rate == 1.0
     assert bool((out.stats.verifier_calls == 5).all())
     assert out.stats.tokens_per_round.tolist() == [5.0, 5.0]  # E[N] at alpha = 1, K = 4
+    assert out.stats.summary()["tokens_per_round"] == 5.0
 
 
 def _exact_two_token_law(verifier, prompt, temperature, top_k, top_p):
