@@ -34,12 +34,14 @@ from dataclasses import dataclass
 import torch
 
 from specdec._models import cache_argument
+from specdec._validation import use_triton
 from specdec.decoding.draft_length import DraftLengthController
 from specdec.decoding.eager import DecodeResult
-from specdec.decoding.emission import add_position_counts, emission
 from specdec.decoding.sampling import filter_logits_unchecked, rejection_sample_unchecked
 from specdec.decoding.slot_cache import SlotCache, slot_attention_mask
 from specdec.kernels.rejection_sampling_reference import exponential_race
+from specdec.kernels.round_commit import round_commit_triton
+from specdec.kernels.round_commit_reference import RoundState, round_commit_reference
 
 CATCH_UP = 16  # drafter catch-up window; the automatic K probes a speculative round at least this often
 SLOT_BUCKET = 64  # cache capacities are rounded up to this, so calls of similar length share graphs
@@ -144,6 +146,11 @@ class StaticEngine:
         self.attempted_per_position = zeros(batch, max(max_drafts, 1))
         self.flags = zeros(5)  # all finished, bad logits, accepted, attempted, emitted (this round)
         self.flags_host = torch.zeros(5, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.round_state = RoundState(  # views of the tensors above, advanced by one round-commit launch a round
+            self.seq, self.slot_len, self.prev, self.pending, self.generated, self.finished, self.stream_pos,
+            self.counters["drafted"], self.counters["accepted"], self.counters["verifier_calls"],
+            self.counters["drafter_calls"], self.accepted_per_position, self.attempted_per_position, self.flags)
+        self.fused_commit = use_triton(backend, device)
         self.steps: OrderedDict[Sampling, dict[tuple, Callable[[], None]]] = OrderedDict()  # LRU, MAX_SAMPLINGS
         self.step_seconds: dict[tuple, float] = {}
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
@@ -230,7 +237,7 @@ class StaticEngine:
 
     # ------------------------------------------------------------------ round bodies
     def _speculative_round(self, num_drafts: int, sampling: Sampling) -> None:
-        n, active = self.slot_len, ~self.finished
+        n = self.slot_len
         offsets = torch.arange(-2, 0, device=self.device)
         logits = self.drafter.forward(torch.stack([self.prev, self.pending], dim=1), n[:, None] + offsets, 1)[:, 0]
         drafts, draft_logits, bad = [], [], torch.zeros((), dtype=torch.bool, device=self.device)
@@ -258,15 +265,13 @@ class StaticEngine:
             result = rejection_sample_unchecked(processed, torch.stack(draft_logits, dim=1), draft_tokens, 1.0,
                                                 self.backend, self.row_seeds, self.stream_pos)
             tokens, num_accepted = result.tokens, result.num_accepted
-        self._commit(tokens, num_accepted, num_drafts, bad, active)
-        self.counters["drafted"].add_(active * num_drafts)
-        self.counters["drafter_calls"].add_(active * num_drafts)
+        self._commit(tokens, num_accepted, num_drafts, bad)
 
     def _plain_round(self, sampling: Sampling) -> None:
-        n, active = self.slot_len, ~self.finished
+        n = self.slot_len
         logits = self.verifier.forward(self.pending[:, None], (n - 1)[:, None], 1)[:, 0]
         token, bad = self._sample_verifier(logits, sampling)
-        self._commit(token[:, None], torch.zeros_like(token), 0, bad, active)
+        self._commit(token[:, None], torch.zeros_like(token), 0, bad)
 
     def _catch_up(self) -> None:
         """The drafter reads the CATCH_UP slots before ``slot_len - 2`` (after rounds without speculation)."""
@@ -274,27 +279,11 @@ class StaticEngine:
         self.drafter.forward(self.seq.gather(1, window), window, 1)
         self.counters["drafter_calls"].add_(~self.finished)
 
-    def _commit(self, tokens: torch.Tensor, num_accepted: torch.Tensor, num_drafts: int, bad: torch.Tensor,
-                active: torch.Tensor) -> None:
-        """Emits ``tokens[:, :n + 1]`` (cut at eos and the budget), advances the rows and counts."""
-        emit, hit_eos, accepted, attempted = emission(tokens, num_accepted, num_drafts, self.max_new - self.generated,
-                                                      active, self.eos)
-        count = emit.sum(dim=1)
-        write = self.slot_len[:, None] + torch.arange(num_drafts + 1, device=self.device)
-        self.seq.scatter_(1, write, torch.where(emit, tokens, self.seq.gather(1, write)))
-        bad = bad | (emit & (tokens < 0)).any()
-        self.generated.add_(count)
-        self.finished.copy_(self.finished | hit_eos | (self.generated >= self.max_new))
-        committed = torch.cat([self.pending[:, None], tokens.clamp(min=0)], dim=1)
-        self.prev.copy_(torch.where(active, committed.gather(1, num_accepted[:, None])[:, 0], self.prev))
-        self.pending.copy_(torch.where(active, committed.gather(1, num_accepted[:, None] + 1)[:, 0], self.pending))
-        self.slot_len.add_(count)  # (count is 0 for finished rows; a cut round ends its row)
-        self.stream_pos.add_(num_drafts + 1)
-        self.counters["verifier_calls"].add_(active)
-        self.counters["accepted"].add_(accepted)
-        add_position_counts(self.accepted_per_position, self.attempted_per_position, accepted, attempted, num_drafts)
-        self.flags.copy_(torch.stack([self.finished.all().to(torch.int64), bad.to(torch.int64), accepted.sum(),
-                                      attempted.sum(), count.sum()]))
+    def _commit(self, tokens: torch.Tensor, num_accepted: torch.Tensor, num_drafts: int, bad: torch.Tensor) -> None:
+        """Emits ``tokens[:, :n + 1]`` (cut at eos and the budget), advances the rows and counts: one launch of the
+        round-commit kernel (its torch reference off CUDA or with ``backend="torch"``)."""
+        commit = round_commit_triton if self.fused_commit else round_commit_reference
+        commit(self.round_state, tokens.contiguous(), num_accepted, bad, self.max_new, self.eos, num_drafts)
 
     # ------------------------------------------------------------------ capture and replay
     def step(self, kind: str, num_drafts: int, sampling: Sampling) -> Callable[[], None]:
