@@ -33,6 +33,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--alpha", type=float, default=0.75, help="target acceptance of the generate calls")
     parser.add_argument("--compile", action="store_true", help="time the torch.compile'd steps")
+    parser.add_argument("--backend", choices=("auto", "torch"), default="auto",
+                        help="auto: the round commit (and sampler) as Triton kernels; torch: their torch references")
     args = parser.parse_args()
     verifier, drafter = build_pair(args.model, 1)
     scale = DeepScale(verifier, 1)
@@ -42,7 +44,7 @@ def main() -> None:
           "model_round_ms,wider_verify_ms,wider_first_draft_ms,rest_ms,rounds,rounds_mean_row")
     with torch.no_grad():
         for batch in [int(b) for b in args.batches.split(",")]:
-            engine = get_engine(verifier, drafter, batch, 512, vocab, k, 1, cuda, "auto", True, args.compile)
+            engine = get_engine(verifier, drafter, batch, 512, vocab, k, 1, cuda, args.backend, True, args.compile)
             times = {}
             for name, model, width in (("verify_1", engine.verifier, 1), ("verify_k", engine.verifier, k + 1),
                                        ("draft_1", engine.drafter, 1), ("draft_2", engine.drafter, 2)):
@@ -58,7 +60,7 @@ def main() -> None:
             prompts = torch.randint(100, vocab, (batch, 32), generator=torch.Generator().manual_seed(0)).cuda()
             calibrate(scale, verifier, drafter, prompts, args.alpha, 128)
             stats = specdec.generate(verifier, drafter, prompts, max_new_tokens=128, num_draft_tokens=k,
-                                     pad_token_id=0, compile=args.compile).stats
+                                     pad_token_id=0, compile=args.compile, backend=args.backend).stats
             rounds = len(stats.draft_lengths)
             mean_row = float(stats.verifier_calls.double().mean()) - 1  # (the prompt's call samples token 1)
             print(f"{args.model},{batch},{k},{times['verify_1']:.3f},{times['verify_k']:.3f},{times['draft_1']:.3f},{times['draft_2']:.3f},"
