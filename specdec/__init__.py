@@ -7,6 +7,7 @@ and ``specdec.divergence`` are the fused kernels behind it and behind the fairne
 from specdec import data, decoding, fairness, training
 from specdec.compat import SpecdecWarning
 from specdec.decoding.generation import GenerateOutput, SpecDecodeStats, clear_static_caches, generate
+from specdec.decoding.ngram import NgramDrafter, ngram_drafter
 from specdec.decoding.sampling import RejectionSampleOutput, filter_logits, rejection_sample
 from specdec.decoding.self_drafter import layer_skip_drafter
 from specdec.fairness import (
@@ -70,6 +71,8 @@ __all__ = [
     "filter_logits",
     "generate",
     "layer_skip_drafter",
+    "NgramDrafter",
+    "ngram_drafter",
     "measure_decode_costs",
     "measure_wall_clock_speedup",
     "rejection_sample",

@@ -23,6 +23,7 @@ import torch
 from specdec._models import cache_argument
 from specdec.decoding.draft_length import DraftLengthController
 from specdec.decoding.emission import add_position_counts, emission
+from specdec.decoding.ngram import NgramDrafter, NgramRunner
 from specdec.decoding.sampling import filter_logits_unchecked, rejection_sample_unchecked
 from specdec.kernels.rejection_sampling_reference import exponential_race
 
@@ -96,8 +97,8 @@ class _CallTimes:
         return {k: self.seconds["verifier"] + k * drafter for k in draft_lengths}
 
 
-def _call(runner: _ModelRunner, times: _CallTimes | None, name: str, seq: torch.Tensor, mask: torch.Tensor,
-          positions: torch.Tensor, start: int, end: int, keep: int) -> torch.Tensor:
+def _call(runner: _ModelRunner | NgramRunner, times: _CallTimes | None, name: str, seq: torch.Tensor,
+          mask: torch.Tensor, positions: torch.Tensor, start: int, end: int, keep: int) -> torch.Tensor:
     """``runner.forward`` on slots ``start:end``; timed (device synchronised) when ``times`` is given."""
     if times is None:
         return runner.forward(seq[:, start:end], mask[:, :end], positions[:, start:end], keep)
@@ -115,7 +116,7 @@ def _parameter_count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def decode_eager(verifier: torch.nn.Module, drafter: torch.nn.Module, input_ids: torch.Tensor,
+def decode_eager(verifier: torch.nn.Module, drafter: torch.nn.Module | NgramDrafter, input_ids: torch.Tensor,
                  attention_mask: torch.Tensor, *, max_new_tokens: int, draft_lengths: tuple[int, ...], greedy: bool,
                  temperature: float, top_k: int, top_p: float, vocab: int, eos_ids: list[int], pad: int,
                  backend: str, row_seeds: torch.Tensor, draft_seeds: torch.Tensor,
@@ -129,12 +130,15 @@ def decode_eager(verifier: torch.nn.Module, drafter: torch.nn.Module, input_ids:
         """Logits as the sampler sees them: raw for greedy, else filter(logits / T) in fp32."""
         return logits.float() if greedy else filter_logits_unchecked(logits.float() / temperature, top_k, top_p)
 
+    ngram = isinstance(drafter, NgramDrafter)  # model-free: its runner proposes one-hot logits, at about no cost
     controller = times = None
     if len(draft_lengths) > 1:
-        times = _CallTimes(device, _parameter_count(drafter) / max(_parameter_count(verifier), 1))
+        cost_ratio = 0.0 if ngram else _parameter_count(drafter) / max(_parameter_count(verifier), 1)
+        times = _CallTimes(device, cost_ratio)
         controller = DraftLengthController(times.round_seconds(draft_lengths))
 
-    verifier_run, drafter_run = _ModelRunner(verifier, vocab), _ModelRunner(drafter, vocab)
+    verifier_run = _ModelRunner(verifier, vocab)
+    drafter_run = NgramRunner(drafter, vocab) if ngram else _ModelRunner(drafter, vocab)
     capacity = prompt_len + 2 * (max_new_tokens + max_drafts + 1)
     seq = torch.full((batch, capacity), pad, dtype=torch.int64, device=device)
     mask = torch.zeros((batch, capacity), dtype=torch.int64, device=device)

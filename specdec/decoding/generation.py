@@ -35,6 +35,7 @@ from specdec._validation import (
 from specdec.compat import SpecdecWarning, pair_positions
 from specdec.decoding.draft_length import AUTO_DRAFT_LENGTHS
 from specdec.decoding.eager import DecodeResult, decode_eager
+from specdec.decoding.ngram import NgramDrafter, as_ngram_drafter, drafter_model
 from specdec.decoding.slot_cache import fast_path_problem
 from specdec.decoding.static import Sampling, clear_engines, decode_static, get_engine
 
@@ -168,7 +169,7 @@ def _in_eval_mode(function: Callable) -> Callable:
 @torch.no_grad()
 def generate(
     verifier: torch.nn.Module,
-    drafter: torch.nn.Module,
+    drafter: torch.nn.Module | NgramDrafter | str,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     *,
@@ -190,7 +191,9 @@ def generate(
 
     Args:
         verifier, drafter: Hugging Face causal LMs (``model(input_ids, attention_mask, position_ids, cache)``)
-            on the same device, sharing a vocabulary.
+            on the same device, sharing a vocabulary. The drafter may instead be model-free:
+            :func:`specdec.ngram_drafter` (or ``"ngram"`` for its defaults) proposes the token that followed the
+            most recent earlier occurrence of the row's last n tokens, as a one-hot law (lossless as any drafter).
         input_ids: [B, L] int64 prompts, left-padded; attention_mask: [B, L] 0/1 (default: all ones).
         max_new_tokens: per-row cap on generated tokens (>= 1).
         num_draft_tokens: K >= 0 drafts per round (0: plain decoding with the verifier alone; capped at
@@ -224,7 +227,9 @@ def generate(
     Both models run in eval mode for the call (a model built with ``Model(config)`` starts in train mode, and dropout
     would make the output follow no fixed law); their modes are restored afterwards.
     """
-    check_model_pair(verifier, drafter)
+    drafter = as_ngram_drafter(drafter) or drafter
+    drafter_facts = drafter_model(verifier, drafter)  # an n-gram drafter has the verifier's device and vocabulary
+    check_model_pair(verifier, drafter_facts)
     check_tensor(input_ids, "input_ids", 2, integer_dtype=True, shape_doc="[B, L]")
     batch, prompt_len = input_ids.shape
     if batch == 0 or prompt_len == 0:
@@ -236,7 +241,8 @@ def generate(
         raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
                          f"got {tuple(attention_mask.shape)}")
     device = input_ids.device
-    for name, tensor_or_model in (("attention_mask", attention_mask), ("verifier", verifier), ("drafter", drafter)):
+    for name, tensor_or_model in (("attention_mask", attention_mask), ("verifier", verifier),
+                                  ("drafter", drafter_facts)):
         other = tensor_or_model.device if isinstance(tensor_or_model, torch.Tensor) else model_device(tensor_or_model)
         if other != device:
             raise ValueError(f"{name} is on {other} but input_ids is on {device}: move them to one device")
@@ -271,7 +277,7 @@ def generate(
     # accept fewer drafts leave masked slots behind. A sliding window counts slots, not tokens (and transformers'
     # sliding cache layers cannot roll back past the window), so the window must hold every slot the call can create.
     most_slots = prompt_len + max_new_tokens * (max_drafts + 1)
-    for name, model in (("verifier", verifier), ("drafter", drafter)):
+    for name, model in (("verifier", verifier), ("drafter", drafter_facts)):
         window = sliding_window(model)
         if window is not None and most_slots >= window:
             raise ValueError(
@@ -280,7 +286,7 @@ def generate(
                 f"{max_drafts + 1} = {most_slots} below the window (shorten the prompt, max_new_tokens or "
                 "num_draft_tokens)")
     check_backend(backend)
-    verifier_vocab, drafter_vocab = model_vocab_size(verifier, "verifier"), model_vocab_size(drafter, "drafter")
+    verifier_vocab, drafter_vocab = model_vocab_size(verifier, "verifier"), model_vocab_size(drafter_facts, "drafter")
     if vocab_size is None:
         if verifier_vocab != drafter_vocab:
             raise ValueError(
@@ -297,7 +303,7 @@ def generate(
     pad_token_id = check_int_range(pad_token_id, "pad_token_id", 0, vocab, allow_none=True, note=" (vocab_size)")
     seed = check_int_range(seed, "seed", 0, 2**64, allow_none=True)
     pad = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
-    _warn_past_positions(verifier, drafter, prompt_len, max_new_tokens, max_drafts)
+    _warn_past_positions(verifier, drafter_facts, prompt_len, max_new_tokens, max_drafts)
 
     generator = None  # seed=None draws from torch's global generator, so torch.manual_seed reproduces a call
     if seed is not None:
@@ -308,7 +314,7 @@ def generate(
     start_time = time.perf_counter()
     bar = tqdm(total=batch * max_new_tokens, desc="specdec.generate", unit="tok", disable=not progress)
     use_static = device.type == "cuda" if static is None else static
-    reason = _static_problem(verifier, drafter) if use_static else None
+    reason = _static_problem(verifier, drafter_facts) if use_static else None
     result = None
     if use_static and reason is None:
         try:

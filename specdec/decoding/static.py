@@ -37,6 +37,7 @@ from specdec._models import cache_argument
 from specdec._validation import use_triton
 from specdec.decoding.draft_length import DraftLengthController
 from specdec.decoding.eager import DecodeResult
+from specdec.decoding.ngram import NgramDrafter, NgramSlot
 from specdec.decoding.sampling import filter_logits_unchecked, rejection_sample_unchecked
 from specdec.decoding.slot_cache import SlotCache, slot_attention_mask
 from specdec.kernels.rejection_sampling_reference import exponential_race
@@ -98,6 +99,14 @@ class _ModelSlot:
         return logits[..., : self.vocab]
 
 
+def _slot(model: torch.nn.Module | NgramDrafter, batch: int, capacity: int, vocab: int, key_ok: torch.Tensor,
+          slot_positions: torch.Tensor, compile_model: bool) -> _ModelSlot | NgramSlot:
+    """The slot that serves ``model`` in an engine (the one place a slot class is chosen)."""
+    if isinstance(model, NgramDrafter):
+        return NgramSlot(model, batch, capacity, vocab, key_ok, slot_positions)
+    return _ModelSlot(model, batch, capacity, vocab, key_ok, slot_positions, compile_model)
+
+
 _COMPILED_STEP = None
 
 
@@ -122,7 +131,8 @@ class StaticEngine:
     ``drafter`` is None for plain decoding (``max_drafts == 0``): no drafter cache, no drafter call.
     """
 
-    def __init__(self, verifier: torch.nn.Module, drafter: torch.nn.Module | None, batch: int, capacity: int,
+    def __init__(self, verifier: torch.nn.Module, drafter: torch.nn.Module | NgramDrafter | None, batch: int,
+                 capacity: int,
                  vocab: int, max_drafts: int, num_eos: int, device: torch.device, backend: str, use_graphs: bool,
                  compile_models: bool = False):
         self.device, self.backend, self.use_graphs = device, backend, use_graphs
@@ -130,9 +140,9 @@ class StaticEngine:
         zeros = lambda *shape, dtype=torch.int64: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         self.key_ok = torch.ones((batch, capacity), dtype=torch.bool, device=device)  # [B, S] False at padding
         self.slot_positions = zeros(batch, capacity)  # [B, S] rope position of every slot
-        self.verifier = _ModelSlot(verifier, batch, capacity, vocab, self.key_ok, self.slot_positions, compile_models)
-        self.drafter = None if drafter is None else _ModelSlot(drafter, batch, capacity, vocab, self.key_ok,
-                                                                self.slot_positions, compile_models)
+        self.verifier = _slot(verifier, batch, capacity, vocab, self.key_ok, self.slot_positions, compile_models)
+        self.drafter = None if drafter is None else _slot(drafter, batch, capacity, vocab, self.key_ok,
+                                                          self.slot_positions, compile_models)
         self.seq = zeros(batch, capacity)
         self.slot_len, self.prev, self.pending = zeros(batch), zeros(batch), zeros(batch)
         self.generated, self.stream_pos = zeros(batch), zeros(batch)
@@ -164,7 +174,7 @@ class StaticEngine:
     def model_slots(self) -> list[_ModelSlot]:
         return [self.verifier] if self.drafter is None else [self.verifier, self.drafter]
 
-    def serves(self, verifier: torch.nn.Module, drafter: torch.nn.Module | None) -> bool:
+    def serves(self, verifier: torch.nn.Module, drafter: torch.nn.Module | NgramDrafter | None) -> bool:
         """Whether this engine was built for these very model objects (a freed model's id can be reused)."""
         if self.verifier.model() is not verifier:
             return False
@@ -377,17 +387,21 @@ def _median_seconds(fn: Callable[[], None], device: torch.device, repeats: int) 
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def capture_facts(model: torch.nn.Module) -> tuple:
+def capture_facts(model: torch.nn.Module | NgramDrafter) -> tuple:
     """Everything about ``model`` that a captured round depends on: its parameters and buffers (addresses, dtypes,
     shapes: in-place updates keep a capture valid, reassigned tensors do not), its attention implementation (the
-    mask form), whether it takes ``logits_to_keep`` and the name of its cache argument."""
+    mask form), whether it takes ``logits_to_keep`` and the name of its cache argument. An n-gram drafter has none
+    (its settings never change)."""
+    if isinstance(model, NgramDrafter):
+        return ()
     tensors = [*model.parameters(), *model.buffers()]
     return (tuple((x.data_ptr(), x.dtype, tuple(x.shape)) for x in tensors),
             getattr(model.config, "_attn_implementation", None),
             "logits_to_keep" in inspect.signature(model.forward).parameters, cache_argument(model))
 
 
-def get_engine(verifier: torch.nn.Module, drafter: torch.nn.Module | None, batch: int, needed_slots: int, vocab: int,
+def get_engine(verifier: torch.nn.Module, drafter: torch.nn.Module | NgramDrafter | None, batch: int,
+               needed_slots: int, vocab: int,
                max_drafts: int, num_eos: int, device: torch.device, backend: str, use_graphs: bool,
                compile_models: bool = False) -> StaticEngine:
     """A cached engine for these models and shapes, or a new one (kept, at most :data:`MAX_ENGINES` per verifier).

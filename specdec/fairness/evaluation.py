@@ -40,6 +40,7 @@ import torch
 from specdec._models import check_model_pair
 from specdec._validation import check_backend, check_int_at_least, check_int_range, check_temperature
 from specdec.compat import check_task_texts, pair_positions, shared_vocab_size
+from specdec.decoding.ngram import as_ngram_drafter, drafter_model
 from specdec.fairness.metrics import expected_tokens_per_call, speedup, speedup_lower_bounds
 from specdec.fairness.report import FairnessReport, TaskFairness
 from specdec.fairness.speed import (
@@ -252,7 +253,9 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
 
     Args:
         verifier, drafter: Hugging Face causal LMs on one device sharing a vocabulary (neither is modified; both run
-            under no_grad).
+            under no_grad). The drafter may be :func:`specdec.ngram_drafter` (or ``"ngram"``): its teacher-forced
+            alpha is the verifier's probability of the n-gram proposal, TV_T = 1 - alpha_T, and its cross-entropy and
+            KL are infinite (a one-hot q), so U on them is too; its cost ratio is measured on its proposal step.
         tasks: name -> :class:`TaskData`, a mapping with ``"prompts"``/``"texts"``, or a sequence of texts.
         tokenizer: HF-style object with ``encode(text, add_special_tokens=False)`` and ``decode(ids)``; needed for
             string inputs and for the per-character figures.
@@ -281,7 +284,9 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
         :class:`FairnessReport`.
     """
 
-    check_model_pair(verifier, drafter)
+    drafter = as_ngram_drafter(drafter) or drafter
+    facts = drafter_model(verifier, drafter)  # an n-gram drafter has the verifier's vocabulary and positions
+    check_model_pair(verifier, facts)
     if not isinstance(tasks, Mapping):
         raise TypeError(f"tasks must be a mapping from task name to TaskData, got {type(tasks).__name__}")
     if len(tasks) == 0:
@@ -307,9 +312,9 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
         check_plain_generate(verifier)
     # the ids both models take; output sizes that differ must be explained (padding rows of one vocabulary) by
     # vocab_size
-    id_limit = shared_vocab_size(verifier, drafter, vocab_size, tokenizer=tokenizer)
+    id_limit = shared_vocab_size(verifier, facts, vocab_size, tokenizer=tokenizer)
     if tokenizer is not None:  # unknown tokens, texts cut at the positions: one SpecdecWarning per task and problem
-        check_task_texts(data, tokenizer, max_positions=pair_positions(verifier, drafter), max_length=max_length,
+        check_task_texts(data, tokenizer, max_positions=pair_positions(verifier, facts), max_length=max_length,
                          max_new_tokens=max_new_tokens, add_special_tokens=add_special_tokens)
     if pad_token_id is None:
         pad_token_id = getattr(tokenizer, "pad_token_id", None)

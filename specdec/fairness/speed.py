@@ -34,6 +34,7 @@ from specdec._validation import (
 )
 from specdec.compat import model_positions, shared_vocab_size
 from specdec.decoding.generation import generate
+from specdec.decoding.ngram import as_ngram_drafter, drafter_model, ngram_step_seconds
 from specdec.fairness.report import cost_ratio_line
 from specdec.fairness.teacher_forcing import pad_batch
 
@@ -177,13 +178,16 @@ def measure_decode_costs(verifier: torch.nn.Module, drafter: torch.nn.Module, *,
     Each model decodes alone (``specdec.generate(model, model, ids, num_draft_tokens=0)``: plain decoding on the
     path ``generate`` takes on that device, static with CUDA graphs on CUDA, eager on the CPU) from the same random
     ``[batch_size, seq_len]`` prompts, once for ``new_tokens`` new tokens and once for one; the difference over
-    ``new_tokens - 1`` is the time of one decoding step without the prompt pass. Every call is device-synchronised;
+    ``new_tokens - 1`` is the time of one decoding step without the prompt pass. An n-gram drafter
+    (:func:`specdec.ngram_drafter`, or ``"ngram"``) has no model to decode with: its step is one proposal over
+    ``seq_len + new_tokens`` tokens, timed from a CUDA graph replay on CUDA (as the static path runs it) and as a
+    plain call elsewhere (:func:`specdec.decoding.ngram.ngram_step_seconds`). Every call is device-synchronised;
     ``warmup`` repetitions are run first and dropped. Within a repetition the two models are timed back to back (in
     alternating order), so a change of machine load between repetitions hits both, and each repetition gives one
     ratio; c is their median and the spread of the ratios is kept in the result.
 
     Args:
-        verifier, drafter: Hugging Face causal LMs on one device.
+        verifier, drafter: Hugging Face causal LMs on one device (or an n-gram drafter).
         batch_size: rows per call (>= 1). seq_len: prompt length (>= 1). new_tokens: tokens per long call (>= 2).
         repeats: timed repetitions (>= 1). warmup: untimed repetitions first (>= 0).
         temperature: 0 (greedy, default) or the sampling temperature of the steps. seed: prompts and sampling.
@@ -195,7 +199,10 @@ def measure_decode_costs(verifier: torch.nn.Module, drafter: torch.nn.Module, *,
         :class:`CostRatio` with ``source="measured"``.
     """
 
-    check_model_pair(verifier, drafter)
+    ngram = as_ngram_drafter(drafter)
+    drafter = ngram or drafter
+    facts = drafter_model(verifier, drafter)  # an n-gram drafter has the verifier's device and vocabulary
+    check_model_pair(verifier, facts)
     check_int_at_least(batch_size, "batch_size", 1)
     check_int_at_least(seq_len, "seq_len", 1)
     check_int_at_least(new_tokens, "new_tokens", 2)
@@ -204,10 +211,10 @@ def measure_decode_costs(verifier: torch.nn.Module, drafter: torch.nn.Module, *,
     temperature = check_temperature(temperature)
     check_backend(backend)
     device = model_device(verifier)
-    if model_device(drafter) != device:
-        raise ValueError(f"drafter is on {model_device(drafter)} but verifier is on {device}: move them to one device")
-    vocab = shared_vocab_size(verifier, drafter, vocab_size)
-    for name, model in (("verifier", verifier), ("drafter", drafter)):
+    if model_device(facts) != device:
+        raise ValueError(f"drafter is on {model_device(facts)} but verifier is on {device}: move them to one device")
+    vocab = shared_vocab_size(verifier, facts, vocab_size)
+    for name, model in (("verifier", verifier), ("drafter", facts)):
         positions = model_positions(model)
         if positions is not None and seq_len + new_tokens > positions:
             raise ValueError(f"seq_len + new_tokens = {seq_len} + {new_tokens} exceeds the {name}'s "
@@ -224,6 +231,8 @@ def measure_decode_costs(verifier: torch.nn.Module, drafter: torch.nn.Module, *,
         return seconds
 
     def step_seconds(model: torch.nn.Module) -> float:
+        if ngram is not None and model is ngram:
+            return max(ngram_step_seconds(ngram, batch_size, seq_len + new_tokens, vocab, device), 1e-9)
         long = run(model, new_tokens)
         short = run(model, 1)
         # never 0 or below: a step that timing noise swamps still yields a finite, positive ratio
@@ -313,13 +322,14 @@ def _speculative_setup(verifier: torch.nn.Module, drafter: torch.nn.Module, prom
                        num_draft_tokens: int, temperature: float, max_new_tokens: int, batch_size: int, seed: int,
                        backend: str, eos_token_id: int | Sequence[int] | None, pad_token_id: int,
                        vocab_size: int | None, static: bool | None) -> _SpeculativeSetup:
-    check_model_pair(verifier, drafter)
+    facts = drafter_model(verifier, drafter)  # an n-gram drafter has the verifier's vocabulary
+    check_model_pair(verifier, facts)
     for name, value, low in (("num_draft_tokens", num_draft_tokens, 1), ("max_new_tokens", max_new_tokens, 1),
                              ("batch_size", batch_size, 1)):
         check_int_at_least(value, name, low)
     temperature = check_temperature(temperature)
     check_backend(backend)
-    vocab = shared_vocab_size(verifier, drafter, vocab_size)
+    vocab = shared_vocab_size(verifier, facts, vocab_size)
     checked = _check_prompts(prompts, vocab)
     eos_ids = eos_id_list(eos_token_id, vocab)
     check_int_range(pad_token_id, "pad_token_id", 0, vocab)

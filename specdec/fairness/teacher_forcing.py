@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from specdec._models import model_device, model_vocab_size
+from specdec.decoding import ngram
 from specdec.fairness.divergences import divergence
 
 
@@ -174,14 +175,21 @@ def token_divergences(verifier: torch.nn.Module, drafter: torch.nn.Module, input
     """Teacher-forced per-prefix divergences of one right-padded batch ``input_ids`` [B, L] (int64).
 
     Both models run once on the batch (no grad; their train/eval mode is left as it is). ``vocab_size`` restricts
-    the logits to a shared id range (default: the smaller of the two output sizes).
+    the logits to a shared id range (default: the smaller of the two output sizes). An n-gram drafter
+    (:func:`specdec.ngram_drafter`) gives one-hot logits at its proposal after each prefix, so ``alpha(s)`` is the
+    verifier's ``p(draft)`` (greedy: ``1[draft == argmax p]``), ``TV = 1 - alpha`` and ``q(y) = 1[draft == y]``,
+    while H(p, q) and KL(p || q) are infinite wherever ``p`` is not one-hot at the draft.
     """
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
+    ngram_drafter = ngram.as_ngram_drafter(drafter)
     if vocab_size is None:
-        vocab_size = min(model_vocab_size(verifier), model_vocab_size(drafter))
+        vocab_size = min(model_vocab_size(verifier), model_vocab_size(ngram.drafter_model(verifier, drafter)))
     v_logits, targets = prefix_logits(verifier, input_ids, attention_mask, vocab_size)
-    d_logits, _ = prefix_logits(drafter, input_ids, attention_mask, vocab_size)
+    if ngram_drafter is None:
+        d_logits, _ = prefix_logits(drafter, input_ids, attention_mask, vocab_size)
+    else:
+        d_logits = ngram.prefix_logits(ngram_drafter, input_ids, attention_mask, v_logits.shape[-1], v_logits.dtype)
     return divergences_from_logits(v_logits, d_logits, targets, temperature=temperature, backend=backend)
 
 
