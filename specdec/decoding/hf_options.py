@@ -105,9 +105,9 @@ def _completed_config(generation_config: Any, verifier: torch.nn.Module) -> dict
 
 
 def _is_default(key: str, value: Any, defaults: Mapping[str, Any]) -> bool:
-    if value is None:
-        return True
     default = defaults.get(key)
+    if value is None or (default is None and value is False):  # (switches such as output_attentions=False)
+        return True
     try:
         return bool(value == default)
     except (RuntimeError, ValueError):  # (a tensor value compares element-wise)
