@@ -8,7 +8,7 @@ import string
 
 import pytest
 import torch
-from transformers import GenerationConfig, PreTrainedTokenizerFast, TextStreamer
+from transformers import GenerationConfig, TextStreamer
 from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
@@ -18,7 +18,7 @@ from transformers.generation.logits_process import (
 import specdec
 from specdec.decoding.hf_options import resolve_options
 
-from models import left_padded_prompts, perturbed_copy, tiny_llama
+from models import byte_level_tokenizer, left_padded_prompts, perturbed_copy, tiny_llama
 from stats import assert_follows
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -27,26 +27,9 @@ PATHS = pytest.mark.parametrize("static", [False, True], ids=["eager", "static"]
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs, Triton sampler)")
 
 
-def _bpe_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained here on a few sentences: tokens of several characters, so stop strings
-    can end inside a token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    corpus = ["the cat sat on the mat and the dog sat on the log", "a quick brown fox jumps over the lazy dog",
-              "one two three four five six seven eight nine ten", "stop here. then go there; stop again!"] * 5
-    backend = Tokenizer(models.BPE(unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<bos>", "<eos>", "<unk>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    backend.train_from_iterator(corpus, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>",
-                                   pad_token="<pad>", unk_token="<unk>", padding_side="left")
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
-    return _bpe_tokenizer()
+    return byte_level_tokenizer()  # tokens of several characters: stop strings can end inside a token
 
 
 @pytest.fixture(scope="module")
