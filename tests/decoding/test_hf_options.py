@@ -227,8 +227,7 @@ def _exact_three_token_laws(verifier, prompt, penalty, min_new, eos, temperature
     return joint12.cpu(), (joint12[..., None] * p3).sum(dim=0).cpu()
 
 
-@PATHS
-def test_sampling_with_processors_follows_the_processed_verifier_law(static):
+def _check_processed_law(static: bool, rows: int, backend: str = "auto") -> None:
     # x1 comes from the prompt pass, x2 and x3 from the first round's positions 0 and 1: eos is banned for x1 and x2
     # only (min_new_tokens=2), and the penalty at position 1 must count the round's first draft (x2 = x3 is rarer)
     verifier = tiny_llama(vocab_size=VOCAB, hidden_size=64, num_layers=2, seed=10, init_std=0.3)
@@ -237,11 +236,12 @@ def test_sampling_with_processors_follows_the_processed_verifier_law(static):
     prompt = torch.tensor([5, 17, 30, 8, 17], device=DEVICE)
     with torch.no_grad():
         eos = int(verifier(prompt[None]).logits[0, -1].argmax())  # the likeliest first token
-    penalty, temperature, rows = 2.0, 0.9, 6000
+    penalty, temperature = 2.0, 0.9
     out = specdec.generate(verifier, drafter, prompt[None], max_new_tokens=3, num_draft_tokens=2,
                            temperature=temperature, repetition_penalty=penalty, min_new_tokens=2, eos_token_id=eos,
-                           num_return_sequences=rows, seed=321, static=static)
+                           num_return_sequences=rows, seed=321, static=static, backend=backend)
     assert out.sequences.shape == (rows, prompt.shape[0] + 3)
+    assert out.stats.path == ("static" if static else "eager")
     tokens = out.sequences[:, prompt.shape[0]:].cpu()
     joint12, joint23 = _exact_three_token_laws(verifier, prompt, penalty, 2, eos, temperature)
     assert float(joint23[:, eos].sum()) > 0.03 and float(joint12[eos].sum()) == 0.0, "eos allowed at x3 only"
@@ -252,6 +252,11 @@ def test_sampling_with_processors_follows_the_processed_verifier_law(static):
     assert_follows(torch.bincount((tokens[:, 1] == tokens[:, 2]).long(), minlength=2),
                    torch.tensor([1 - repeat, repeat]), what="P(x3 = x2)")
     assert 0.05 < out.stats.total_acceptance_rate < 0.95
+
+
+@PATHS
+def test_sampling_with_processors_follows_the_processed_verifier_law(static):
+    _check_processed_law(static, rows=6000)
 
 
 @PATHS
@@ -325,11 +330,13 @@ def test_unknown_keywords_and_bad_types_are_type_errors(pair):
 
 
 @GPU
-def test_gpu_hf_options_equal_transformers_and_sampling_follows_the_law(pair, scenario):
+def test_gpu_triton_sampler_and_compiled_rounds_keep_the_hf_options_exact(pair, scenario):
     verifier, drafter = pair
     input_ids, attention_mask, options, expected = scenario
-    for num_draft_tokens in (3, "auto"):
+    for num_draft_tokens, compile_models in ((3, True), ("auto", False)):
         out = specdec.generate(verifier, drafter, input_ids, attention_mask, num_draft_tokens=num_draft_tokens,
-                               output_logprobs=True, **options)
-        assert out.stats.path == "static" and torch.equal(out.sequences, expected)
-    test_sampling_with_processors_follows_the_processed_verifier_law(static=True)
+                               output_logprobs=True, compile=compile_models, **options)
+        assert out.stats.path == "static" and out.stats.compiled == compile_models
+        assert torch.equal(out.sequences, expected)
+    for static in (False, True):
+        _check_processed_law(static, rows=50000, backend="triton")
