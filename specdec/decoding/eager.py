@@ -136,9 +136,10 @@ def decode_eager(verifier: torch.nn.Module, drafter: torch.nn.Module, input_ids:
     device = input_ids.device
     batch, prompt_len = input_ids.shape
     max_drafts = max(draft_lengths)
-    processors = TokenProcessors(batch, vocab, device)
-    processors.reset(input_ids, attention_mask, repetition_penalty, min_new_tokens, eos_ids)
     penalise, ban = repetition_penalty is not None, min_new_tokens > 0 and bool(eos_ids)
+    processors = TokenProcessors(batch, vocab, device)
+    if penalise or ban:
+        processors.reset(input_ids, attention_mask, repetition_penalty, min_new_tokens, eos_ids)
 
     def process(logits: torch.Tensor, seen: torch.Tensor | None, generated_before: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] as tokens are drawn from them: the token-dependent processors (context ``seen``
@@ -187,7 +188,8 @@ def decode_eager(verifier: torch.nn.Module, drafter: torch.nn.Module, input_ids:
     out_tokens[:, 0] = first
     if out_logprobs is not None:
         out_logprobs[:, 0] = token_logprobs(scores, first[:, None])[:, 0]
-    mark_seen(processors.seen, first[:, None], torch.ones_like(first[:, None], dtype=torch.bool))
+    if penalise:
+        mark_seen(processors.seen, first[:, None], torch.ones_like(first[:, None], dtype=torch.bool))
     generated += 1
     counters["verifier_calls"] += 1
     finished = (first[:, None] == eos_tensor).any(dim=1) | (max_new_tokens <= 1)

@@ -212,7 +212,8 @@ class StaticEngine:
         self.draft_seeds.copy_(draft_seeds)
         for counter in (*self.counters.values(), self.accepted_per_position, self.attempted_per_position):
             counter.zero_()
-        self.processors.reset(input_ids, attention_mask, repetition_penalty, min_new_tokens, eos_ids)
+        if sampling.penalise or sampling.ban_eos:
+            self.processors.reset(input_ids, attention_mask, repetition_penalty, min_new_tokens, eos_ids)
         self.logprobs.zero_()
         self.generated.zero_()
         slots = torch.arange(prompt_len, device=self.device).expand(batch, prompt_len)
