@@ -55,3 +55,23 @@ def left_padded_prompts(lengths: list[int], vocab_size: int, seed: int = 0, pad_
         input_ids[row, width - length:] = torch.randint(3, vocab_size, (length,), generator=generator)
         attention_mask[row, width - length:] = 1
     return input_ids, attention_mask
+
+
+def byte_level_tokenizer(vocab_size: int = 400, corpus: list[str] | None = None):
+    """A byte-level BPE tokenizer trained here on ``corpus`` (default: a few English sentences): every text encodes
+    (no unknown tokens), tokens have several characters, padding is on the left, ids 0..3 are
+    ``<pad> <bos> <eos> <unk>``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = corpus or 5 * ["the cat sat on the mat and the dog sat on the log",
+                            "a quick brown fox jumps over the lazy dog",
+                            "one two three four five six seven eight nine ten", "stop here. then go there; stop again!"]
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<bos>", "<eos>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>", unk_token="<unk>", padding_side="left")

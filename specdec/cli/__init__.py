@@ -130,6 +130,12 @@ def _name_list(text: str) -> list[str]:
     return names
 
 
+def _stop_string(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("expected a non-empty stop string")
+    return text.replace("\\n", "\n")
+
+
 def _existing_file(text: str) -> Path:
     path = _existing_path(text)
     if not path.is_file():
@@ -234,11 +240,19 @@ def command_generate(args: argparse.Namespace) -> int:
         input_ids, attention_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
         if input_ids.shape[1] == 0 or bool((attention_mask.sum(1) == 0).any()):
             raise CommandError("a prompt encodes to no tokens")
+        streamer = None
+        if len(chunk) == 1 and not (args.json or args.no_stream):
+            from transformers import TextStreamer
+
+            print(f"### prompt {start + 1}: {chunk[0]!r}\n{chunk[0]}", end="", flush=True)
+            streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         with torch.no_grad():
             out = generate(verifier, drafter, input_ids, attention_mask, max_new_tokens=args.max_new_tokens,
                            num_draft_tokens=args.num_draft_tokens, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, eos_token_id=eos, seed=derive_seed(args.seed, start), backend=args.backend,
-                           pad_token_id=pad, vocab_size=vocab_size, static=args.static, compile=args.compile)
+                           pad_token_id=pad, vocab_size=vocab_size, static=args.static, compile=args.compile,
+                           repetition_penalty=args.repetition_penalty, min_new_tokens=args.min_new_tokens,
+                           stop_strings=args.stop, tokenizer=tokenizer if args.stop else None, streamer=streamer)
         stats = out.stats
         width = input_ids.shape[1]
         for row, prompt in enumerate(chunk):
@@ -250,13 +264,15 @@ def command_generate(args: argparse.Namespace) -> int:
                 "verifier_calls": int(stats.verifier_calls[row]),
                 "tokens_per_verifier_call": float(stats.tokens_per_verifier_call[row]),
             }
+            summary = (f"[{record['generated_tokens']} tokens, {record['verifier_calls']} verifier calls, "
+                       f"{record['tokens_per_verifier_call']:.2f} tokens/call, "
+                       f"{record['accepted']}/{record['drafted']} drafts accepted]\n")
             if args.json:
                 print(json.dumps(record, ensure_ascii=False))
+            elif streamer is not None:  # (the streamer printed the completion and ended its line)
+                print(summary)
             else:
-                print(f"### prompt {start + row + 1}: {prompt!r}\n{prompt}{completion}\n"
-                      f"[{record['generated_tokens']} tokens, {record['verifier_calls']} verifier calls, "
-                      f"{record['tokens_per_verifier_call']:.2f} tokens/call, "
-                      f"{record['accepted']}/{record['drafted']} drafts accepted]\n")
+                print(f"### prompt {start + row + 1}: {prompt!r}\n{prompt}{completion}\n{summary}")
         for key in ("generated", "verifier_calls", "drafted", "accepted"):
             totals[key] += int(getattr(stats, key).sum())
         totals["wall_time_s"] += stats.wall_time_s
@@ -456,8 +472,20 @@ def build_parser() -> argparse.ArgumentParser:
                           help="nucleus sampling mass in (0, 1], 1 = off (default: 1.0)")
     generate.add_argument("--eos-token-id", type=_non_negative_int, default=None,
                           help="stop token (default: the tokenizer's)")
+    generate.add_argument("--repetition-penalty", type=_positive_float, default=1.0, metavar="THETA",
+                          help="transformers' repetition penalty on every token of the prompt and the completion, "
+                               "1 = off (default: 1.0)")
+    generate.add_argument("--min-new-tokens", type=_non_negative_int, default=0, metavar="N",
+                          help="no eos before N new tokens (default: 0)")
+    generate.add_argument("--stop", action="append", default=None, metavar="TEXT", type=_stop_string,
+                          help="stop string: a completion ends after the token that completes it (repeat for "
+                               "several)")
     _add_input_options(generate, "prompts")
     generate.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    generate.add_argument("--no-stream", action="store_true",
+                          help="print each completion when it is done; text output otherwise streams to the "
+                               "terminal as rounds commit tokens whenever a batch holds one prompt (one --prompt, or "
+                               "--batch-size 1)")
 
     evaluate = _subcommand(
         commands, "evaluate", command_evaluate,

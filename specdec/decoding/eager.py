@@ -24,14 +24,17 @@ from specdec._models import cache_argument
 from specdec.decoding.draft_length import DraftLengthController
 from specdec.decoding.emission import add_position_counts, emission
 from specdec.decoding.ngram import NgramDrafter, NgramRunner
+from specdec.decoding.processors import TokenProcessors, draft_contexts, mark_seen, token_logprobs
 from specdec.decoding.sampling import filter_logits_unchecked, rejection_sample_unchecked
+from specdec.decoding.stop_strings import StopStringChecker
 from specdec.kernels.rejection_sampling_reference import exponential_race
 
 
 @dataclass
 class DecodeResult:
     """Output of one decoding path: ``tokens`` [B, max_new_tokens] (pad after each row's ``generated`` [B]),
-    per-row counters, per-position acceptance counts [B, K_max], the K of each round, setup seconds."""
+    per-row counters, per-position acceptance counts [B, K_max], the K of each round, setup seconds, and the
+    log-probability of each new token [B, max_new_tokens] float32 (0 after a row's end) when asked for."""
 
     tokens: torch.Tensor
     generated: torch.Tensor
@@ -40,6 +43,7 @@ class DecodeResult:
     attempted_per_position: torch.Tensor
     draft_lengths: list[int]
     setup_seconds: float
+    logprobs: torch.Tensor | None = None
 
 
 class _ModelRunner:
@@ -120,15 +124,29 @@ def decode_eager(verifier: torch.nn.Module, drafter: torch.nn.Module | NgramDraf
                  attention_mask: torch.Tensor, *, max_new_tokens: int, draft_lengths: tuple[int, ...], greedy: bool,
                  temperature: float, top_k: int, top_p: float, vocab: int, eos_ids: list[int], pad: int,
                  backend: str, row_seeds: torch.Tensor, draft_seeds: torch.Tensor,
-                 on_emit: Callable[[int], None]) -> DecodeResult:
-    """Speculative decoding with dynamic caches; ``draft_lengths`` is one K or the set "auto" chooses from."""
+                 on_emit: Callable[[int], None], repetition_penalty: float | None = None, min_new_tokens: int = 0,
+                 stop: StopStringChecker | None = None, on_tokens: Callable[[torch.Tensor], None] | None = None,
+                 output_logprobs: bool = False) -> DecodeResult:
+    """Speculative decoding with dynamic caches; ``draft_lengths`` is one K or the set "auto" chooses from.
+
+    ``repetition_penalty`` and ``min_new_tokens`` process both models' logits position by position
+    (:mod:`specdec.decoding.processors`); ``stop`` ends rows after a token that completes a stop string;
+    ``on_tokens`` receives each round's new tokens of a single row ([1, n] int64 on the CPU);
+    ``output_logprobs`` records each new token's log-probability under the law it was drawn from.
+    """
     device = input_ids.device
     batch, prompt_len = input_ids.shape
     max_drafts = max(draft_lengths)
+    penalise, ban = repetition_penalty is not None, min_new_tokens > 0 and bool(eos_ids)
+    processors = TokenProcessors(batch, vocab, device)
+    if penalise or ban:
+        processors.reset(input_ids, attention_mask, repetition_penalty, min_new_tokens, eos_ids)
 
-    def process(logits: torch.Tensor) -> torch.Tensor:
-        """Logits as the sampler sees them: raw for greedy, else filter(logits / T) in fp32."""
-        return logits.float() if greedy else filter_logits_unchecked(logits.float() / temperature, top_k, top_p)
+    def process(logits: torch.Tensor, seen: torch.Tensor | None, generated_before: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, V] as tokens are drawn from them: the token-dependent processors (context ``seen``
+        [B, T or 1, V], counts ``generated_before`` [B, T]), then fp32 for greedy, else filter(logits / T)."""
+        out = processors.process(logits, seen if penalise else None, generated_before if ban else None)
+        return out if greedy else filter_logits_unchecked(out / temperature, top_k, top_p)
 
     ngram = isinstance(drafter, NgramDrafter)  # model-free: its runner proposes one-hot logits, at about no cost
     controller = times = None
@@ -148,7 +166,11 @@ def decode_eager(verifier: torch.nn.Module, drafter: torch.nn.Module | NgramDraf
     positions[:, :prompt_len] = (attention_mask.to(torch.int64).cumsum(dim=1) - 1).clamp(min=0)
     next_position = attention_mask.to(torch.int64).sum(dim=1)  # [B] position id of the next real token
 
-    out_tokens = torch.full((batch, max_new_tokens), pad, dtype=torch.int64, device=device)
+    history = torch.full((batch, prompt_len + max_new_tokens), pad, dtype=torch.int64, device=device)
+    history[:, :prompt_len] = input_ids  # [B, L + max_new_tokens] padded prompt, then the new tokens
+    out_tokens = history[:, prompt_len:]  # (a view)
+    out_logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device) if output_logprobs \
+        else None
     generated = torch.zeros(batch, dtype=torch.int64, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     eos_tensor = torch.tensor(eos_ids, dtype=torch.int64, device=device)
@@ -160,17 +182,26 @@ def decode_eager(verifier: torch.nn.Module, drafter: torch.nn.Module | NgramDraf
     rounds: list[int] = []
 
     # The prompt pass: the verifier encodes the prompts and samples the first token at stream position 0.
-    scores = process(verifier_run.forward(seq[:, :prompt_len], mask[:, :prompt_len], positions[:, :prompt_len], 1))
+    scores = process(verifier_run.forward(seq[:, :prompt_len], mask[:, :prompt_len], positions[:, :prompt_len], 1),
+                     processors.seen[:, None, :-1], generated[:, None])
     if bool(torch.isnan(scores).any()):
         raise ValueError("a model produced NaN logits; refusing to turn NaN logits into tokens")
     stream_pos = torch.zeros(batch, dtype=torch.int64, device=device)
     first = torch.argmax(scores[:, 0], dim=-1) if greedy else exponential_race(scores[:, 0], row_seeds, stream_pos)
     stream_pos = stream_pos + 1
     out_tokens[:, 0] = first
+    if out_logprobs is not None:
+        out_logprobs[:, 0] = token_logprobs(scores, first[:, None])[:, 0]
+    if penalise:
+        mark_seen(processors.seen, first[:, None], torch.ones_like(first[:, None], dtype=torch.bool))
     generated += 1
     counters["verifier_calls"] += 1
-    on_emit(batch)
     finished = (first[:, None] == eos_tensor).any(dim=1) | (max_new_tokens <= 1)
+    if stop is not None:
+        finished = finished | (stop.first_stop(history, torch.full_like(generated, prompt_len), generated, 1) == 0)
+    on_emit(batch)
+    if on_tokens is not None:
+        on_tokens(first[:1, None].cpu())
     seq[:, prompt_len] = first
     mask[:, prompt_len] = 1
     positions[:, prompt_len] = next_position
@@ -191,14 +222,18 @@ def decode_eager(verifier: torch.nn.Module, drafter: torch.nn.Module | NgramDraf
         # Draft K tokens; the drafter first absorbs every slot it has not seen yet.
         draft_tokens = torch.empty((batch, num_drafts), dtype=torch.int64, device=device)
         draft_logits = torch.empty((batch, num_drafts, vocab), dtype=torch.float32, device=device)
+        draft_seen = processors.seen.clone() if penalise else None  # [B, V + 1] context of the next draft
         for j in range(num_drafts):
             start, end = drafter_run.length, cur_len + j
-            logits = _call(drafter_run, times, "drafter", seq, mask, positions, start, end, 1)[:, -1]
-            processed = process(logits)
+            logits = _call(drafter_run, times, "drafter", seq, mask, positions, start, end, 1)
+            processed = process(logits, None if draft_seen is None else draft_seen[:, None, :-1],
+                                (generated + j)[:, None])[:, -1]
             token = torch.argmax(processed, dim=-1) if greedy else exponential_race(processed, draft_seeds,
                                                                                      stream_pos + j)
             draft_tokens[:, j] = token
             draft_logits[:, j] = processed
+            if draft_seen is not None:
+                mark_seen(draft_seen, token[:, None], torch.ones_like(token[:, None], dtype=torch.bool))
             seq[:, end] = token
             mask[:, end] = active.to(torch.int64)
             positions[:, end] = next_position + j
@@ -206,7 +241,9 @@ def decode_eager(verifier: torch.nn.Module, drafter: torch.nn.Module | NgramDraf
         # Verify the pending slots and all K drafts in one call.
         start, end = verifier_run.length, cur_len + num_drafts
         target_logits = _call(verifier_run, times, "verifier", seq, mask, positions, start, end, num_drafts + 1)
-        sampler_target_logits = process(target_logits)
+        position = torch.arange(num_drafts + 1, device=device)
+        contexts = draft_contexts(processors.seen, draft_tokens) if penalise else None
+        sampler_target_logits = process(target_logits, contexts, generated[:, None] + position)
         # The sampler's inputs are built here (drafts in [0, V), shapes consistent), so only NaN needs checking:
         # one fused reduction and one host sync per round instead of the public wrapper's several.
         if bool(torch.isnan(sampler_target_logits).any() | torch.isnan(draft_logits).any()):
@@ -226,9 +263,21 @@ def decode_eager(verifier: torch.nn.Module, drafter: torch.nn.Module | NgramDraf
         # Emit: n + 1 tokens per active row, cut at eos and at max_new_tokens.
         emit, hit_eos, accepted, attempted = emission(new_tokens, num_accepted, num_drafts,
                                                       max_new_tokens - generated, active, eos_tensor)
-        emit_count = emit.sum(dim=1)
         emit_rows, emit_cols = emit.nonzero(as_tuple=True)
         out_tokens[emit_rows, generated[emit_rows] + emit_cols] = new_tokens[emit_rows, emit_cols]
+        if out_logprobs is not None:
+            round_logprobs = token_logprobs(sampler_target_logits, new_tokens)
+            out_logprobs[emit_rows, generated[emit_rows] + emit_cols] = round_logprobs[emit_rows, emit_cols]
+        if penalise:
+            mark_seen(processors.seen, new_tokens, emit)
+        if stop is not None:  # cut each row after the first token that completes a stop string
+            first_stop = stop.first_stop(history, prompt_len + generated, emit.sum(dim=1), num_drafts + 1)
+            hit_stop = first_stop < emit.sum(dim=1)
+            emit = emit & (position[None, :] <= first_stop[:, None])
+            hit_eos = hit_eos | hit_stop
+        emit_count = emit.sum(dim=1)
+        if on_tokens is not None and int(emit_count[0]):
+            on_tokens(out_tokens[:1, int(generated[0]): int(generated[0] + emit_count[0])].cpu())
         generated += emit_count
 
         counters["drafted"] += active * num_drafts
@@ -259,4 +308,9 @@ def decode_eager(verifier: torch.nn.Module, drafter: torch.nn.Module | NgramDraf
         verifier_run.crop(new_slot)
         drafter_run.crop(new_slot)
 
-    return DecodeResult(out_tokens, generated, counters, accepted_per_position, attempted_per_position, rounds, 0.0)
+    written = torch.arange(max_new_tokens, device=device)[None, :] < generated[:, None]
+    out_tokens = torch.where(written, out_tokens, pad)  # (tokens a stop string cut are dropped)
+    if out_logprobs is not None:
+        out_logprobs = torch.where(written, out_logprobs, 0.0)
+    return DecodeResult(out_tokens, generated, counters, accepted_per_position, attempted_per_position, rounds, 0.0,
+                        out_logprobs)

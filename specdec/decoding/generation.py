@@ -35,9 +35,11 @@ from specdec._validation import (
 from specdec.compat import SpecdecWarning, pair_positions
 from specdec.decoding.draft_length import AUTO_DRAFT_LENGTHS
 from specdec.decoding.eager import DecodeResult, decode_eager
+from specdec.decoding.hf_options import resolve_options
 from specdec.decoding.ngram import NgramDrafter, as_ngram_drafter, drafter_model
 from specdec.decoding.slot_cache import fast_path_problem
 from specdec.decoding.static import Sampling, clear_engines, decode_static, get_engine
+from specdec.decoding.stop_strings import StopStringChecker
 
 _DRAFT_STREAM_SALT = 0x5DEECE66D  # separates the drafter's random stream from the sampler's
 
@@ -139,11 +141,14 @@ class SpecDecodeStats:
 
 @dataclass
 class GenerateOutput:
-    """sequences: [B, prompt_len + generated] int64, the prompt as given then the new tokens, right-padded with
-    ``pad_token_id`` after a row ends. stats: :class:`SpecDecodeStats`."""
+    """sequences: [B * num_return_sequences, prompt_len + generated] int64, the prompt as given then the new tokens,
+    right-padded with ``pad_token_id`` after a row ends. stats: :class:`SpecDecodeStats`. logprobs: with
+    ``output_logprobs=True``, [B * num_return_sequences, generated] float32, the verifier's log-probability of each
+    new token under the law it was drawn from (0 after a row's end), else None."""
 
     sequences: torch.Tensor
     stats: SpecDecodeStats
+    logprobs: torch.Tensor | None = None
 
 
 def _in_eval_mode(function: Callable) -> Callable:
@@ -173,11 +178,11 @@ def generate(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     *,
-    max_new_tokens: int = 128,
+    max_new_tokens: int | None = None,
     num_draft_tokens: int | str = 4,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     seed: int | None = None,
     backend: str = "auto",
@@ -186,44 +191,107 @@ def generate(
     progress: bool = False,
     static: bool | None = None,
     compile: bool = False,
+    generation_config: Any = None,
+    streamer: Any = None,
+    min_new_tokens: int | None = None,
+    stop_strings: str | Sequence[str] | None = None,
+    tokenizer: Any = None,
+    repetition_penalty: float | None = None,
+    num_return_sequences: int | None = None,
+    output_logprobs: bool = False,
+    **hf_options: Any,
 ) -> GenerateOutput:
-    """Speculative decoding whose output follows ``verifier`` exactly (greedy or sampled).
+    """Speculative decoding whose output follows ``verifier`` exactly (greedy or sampled); a drop-in for
+    ``verifier.generate(...)`` that keeps transformers' option names and meanings.
 
-    Args:
-        verifier, drafter: Hugging Face causal LMs (``model(input_ids, attention_mask, position_ids, cache)``)
-            on the same device, sharing a vocabulary. The drafter may instead be model-free:
-            :func:`specdec.ngram_drafter` (or ``"ngram"`` for its defaults) proposes the token that followed the
-            most recent earlier occurrence of the row's last n tokens, as a one-hot law (lossless as any drafter).
-        input_ids: [B, L] int64 prompts, left-padded; attention_mask: [B, L] 0/1 (default: all ones).
-        max_new_tokens: per-row cap on generated tokens (>= 1).
-        num_draft_tokens: K >= 0 drafts per round (0: plain decoding with the verifier alone; capped at
-            ``max_new_tokens - 1``, the most a round can emit after the prompt pass), or ``"auto"``: K
-            chosen before every round from the measured acceptance and round times, among
-            ``(0, 1, 2, 3, 4, 6, 8)``, so that a drafter that is rarely accepted costs about nothing.
-        temperature: 0 is greedy (a draft is accepted iff it is the verifier's argmax, ties to the lowest id);
-            > 0 samples from ``softmax(filter(logits / T))`` where ``filter`` applies ``top_k`` then ``top_p``
-            identically to both models.
-        eos_token_id: int or list; a row stops after emitting one. seed: makes sampling reproducible; both paths
-            make the same draws, so a seed gives the same samples on either (for a fixed K). None draws the row seeds
-            from torch's global generator, so ``torch.manual_seed`` reproduces a call, as in transformers.
-        backend: rejection-sampler backend ("auto", "triton", "torch").
-        pad_token_id: right-padding of finished rows (default: the first eos id, else 0).
-        vocab_size: the number of real token ids (e.g. ``len(tokenizer)``), required when the two models' vocab
-            sizes differ (padding rows); only ids below it are used.
-        progress: show a tqdm bar over generated tokens.
-        static: the static path (preallocated per-row KV caches; on CUDA every round replayed from a CUDA graph,
-            captured once per model pair, batch size and cache size and reused by later calls). None (default): on
-            for CUDA inputs, off on the CPU. True asks for it anywhere (on the CPU without graphs); False uses the
-            eager path. A model the static path cannot run (attention other than sdpa/eager, sliding windows, a
-            capture error) falls back to the eager path with the reason in ``stats.fallback_reason``.
-        compile: on the static path, fuse each model's forward call with ``torch.compile`` before its rounds are
-            captured: decoding steps run several times faster (fewer, fused kernels), at a one-time compilation
-            cost of tens of seconds per model pair and batch size (reported in ``stats.setup_time_s``). The eager
-            path does not compile: there ``compile=True`` warns and ``stats.compiled`` is False.
+    The token-dependent processors (``repetition_penalty``, ``min_new_tokens``) are applied identically to the
+    drafter and the verifier, position by position inside a round (the context of draft position j includes the
+    drafts before it), so greedy decoding equals ``verifier.generate`` with the same options token for token
+    (float32) and sampling follows the verifier's processed law exactly.
 
-    Returns:
-        :class:`GenerateOutput` with ``sequences`` [B, L + max generated] and ``stats``.
+    Parameters
+    ----------
+    verifier, drafter : transformers causal LMs
+        ``model(input_ids, attention_mask, position_ids, cache)`` on one device, sharing a vocabulary. The drafter
+        may instead be model-free: :func:`specdec.ngram_drafter` (or ``"ngram"`` for its defaults) proposes the token
+        that followed the most recent earlier occurrence of the row's last n tokens, as a one-hot law (lossless as
+        any drafter).
+    input_ids : torch.Tensor
+        [B, L] int64 prompts, left-padded.
+    attention_mask : torch.Tensor, optional
+        [B, L] 0/1 (default: all ones).
+    max_new_tokens : int, optional
+        Per-row cap on new tokens (>= 1). Default: the ``generation_config``'s (``max_length`` minus the L columns
+        when only that is set), else 128.
+    num_draft_tokens : int or "auto"
+        K >= 0 drafts per round (0: plain decoding with the verifier alone; capped at ``max_new_tokens - 1``, the most
+        a round can emit after the prompt pass), or ``"auto"``: K chosen before every round from the measured
+        acceptance and round times among ``(0, 1, 2, 3, 4, 6, 8)``.
+    temperature : float, optional
+        0 is greedy (a draft is accepted iff it is the verifier's argmax of the processed logits, ties to the lowest
+        id); > 0 samples from ``softmax(filter(processors(logits) / T))``, ``filter`` being ``top_k`` then ``top_p``.
+        Default: from ``do_sample`` and the ``generation_config`` as transformers reads them, else 0. An explicit
+        temperature decides greedy or sampling unless ``do_sample`` is passed too.
+    top_k, top_p : optional
+        Sampling filters, identical for both models (default: the ``generation_config``'s, else 0 and 1.0).
+    eos_token_id : int or list of int, optional
+        A row stops after emitting one (default: the ``generation_config``'s, else none; ``[]`` overrides a
+        configured one with none).
+    seed : int, optional
+        Makes sampling reproducible; both paths make the same draws, so a seed gives the same samples on either (for a
+        fixed K). None draws the row seeds from torch's global generator, as in transformers.
+    backend : {"auto", "triton", "torch"}
+        Rejection-sampler backend.
+    pad_token_id : int, optional
+        Right-padding of finished rows (default: the ``generation_config``'s, else the first eos id, else 0).
+    vocab_size : int, optional
+        The number of real token ids (e.g. ``len(tokenizer)``), required when the models' vocab sizes differ
+        (padding rows); only ids below it are used.
+    progress : bool
+        Show a tqdm bar over generated tokens.
+    static : bool, optional
+        The static path (preallocated per-row KV caches; on CUDA every round replayed from a CUDA graph). None: on for
+        CUDA inputs, off on the CPU. A model it cannot run falls back to the eager path (``stats.fallback_reason``).
+    compile : bool
+        On the static path, fuse each model's forward with ``torch.compile`` before capture (tens of seconds once).
+    generation_config : transformers.GenerationConfig, optional
+        Read as transformers reads it: its unset fields come from ``verifier.generation_config``, then from
+        transformers' global defaults (``max_length=20``, ``top_k=50``, ...). Keywords override it. Without it
+        nothing is read from the model's own generation config.
+    streamer : transformers streamer, optional
+        Receives ``put(input_ids)`` first, then ``put(new_ids)`` ([1, n] int64 on the CPU) as each round commits
+        tokens, then ``end()`` (``TextStreamer``, ``TextIteratorStreamer``); one sequence only (B x
+        ``num_return_sequences`` = 1).
+    min_new_tokens : int, optional
+        The eos ids are banned (logit ``-inf``) until a row has this many new tokens (``min_length`` counts the
+        prompt's columns too, as in transformers).
+    stop_strings : str or list of str, optional
+        A row stops after the token that completes one (that token is kept), with transformers'
+        ``StopStringCriteria`` semantics; needs ``tokenizer``.
+    tokenizer : transformers tokenizer, optional
+        The models' tokenizer, for ``stop_strings``.
+    repetition_penalty : float, optional
+        θ > 0 (1.0: none): every id in the row's context (the prompt from its first attended column, and every new
+        token) has its logit ``l`` scaled to ``l * θ`` if ``l < 0`` else ``l / θ``, before the temperature.
+    num_return_sequences : int, optional
+        n >= 1 continuations of every prompt (rows ``b * n .. b * n + n - 1``), each with its own random stream when
+        sampling; greedy gives n equal copies.
+    output_logprobs : bool
+        Also return ``logprobs`` [B * n, generated] float32: the log-probability of each new token under the
+        verifier's law it was drawn from, ``log_softmax(processed logits)`` (greedy: processors, temperature 1).
+    **hf_options
+        Other transformers ``generate`` options: ``do_sample``, ``max_length``, ``min_length`` and options that do
+        not change the tokens (``use_cache``, ``return_dict_in_generate``, ...) are accepted; any other option set
+        away from its default (``num_beams > 1``, ``logits_processor``, ``no_repeat_ngram_size``, ...) raises a
+        ValueError naming it, as does such a field of ``generation_config``.
 
+    Returns
+    -------
+    GenerateOutput
+        ``sequences`` [B * n, L + max generated] int64, ``stats`` and ``logprobs``.
+
+    Notes
+    -----
     Both models run in eval mode for the call (a model built with ``Model(config)`` starts in train mode, and dropout
     would make the output follow no fixed law); their modes are restored afterwards.
     """
@@ -234,6 +302,13 @@ def generate(
     batch, prompt_len = input_ids.shape
     if batch == 0 or prompt_len == 0:
         raise ValueError(f"input_ids must be a non-empty [B, L] batch of prompts, got shape {tuple(input_ids.shape)}")
+    options = resolve_options(verifier, prompt_len, generation_config, {
+        "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+        "eos_token_id": eos_token_id, "pad_token_id": pad_token_id, "min_new_tokens": min_new_tokens,
+        "stop_strings": stop_strings, "repetition_penalty": repetition_penalty,
+        "num_return_sequences": num_return_sequences}, hf_options)
+    max_new_tokens, temperature, top_k, top_p = (options.max_new_tokens, options.temperature, options.top_k,
+                                                 options.top_p)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     check_tensor(attention_mask, "attention_mask", 2, shape_doc="[B, L]")
@@ -273,6 +348,17 @@ def generate(
         raise TypeError(f"static must be True, False or None, got {static!r}")
     if not isinstance(compile, bool):
         raise TypeError(f"compile must be True or False, got {compile!r}")
+    if not isinstance(output_logprobs, bool):
+        raise TypeError(f"output_logprobs must be True or False, got {output_logprobs!r}")
+    copies = options.num_return_sequences
+    if streamer is not None:
+        if not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
+            raise TypeError(f"streamer must have put(token_ids) and end() (a transformers streamer), got "
+                            f"{type(streamer).__name__}")
+        if batch * copies != 1:
+            raise ValueError(f"streamer streams one sequence: input_ids has {batch} row(s) x num_return_sequences="
+                             f"{copies} (as transformers' TextStreamer, which supports batch size 1 only)")
+    stop = StopStringChecker(tokenizer, options.stop_strings) if options.stop_strings else None
     # The eager path's caches keep one slot layout for the whole batch: each round appends K + 1 slots and rows that
     # accept fewer drafts leave masked slots behind. A sliding window counts slots, not tokens (and transformers'
     # sliding cache layers cannot roll back past the window), so the window must hold every slot the call can create.
@@ -299,36 +385,55 @@ def generate(
         raise ValueError(f"vocab_size={vocab} exceeds a model's vocabulary ({verifier_vocab}, {drafter_vocab})")
     if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
         raise ValueError(f"input_ids must lie in [0, vocab_size={vocab})")
-    eos_ids = eos_id_list(eos_token_id, vocab)
-    pad_token_id = check_int_range(pad_token_id, "pad_token_id", 0, vocab, allow_none=True, note=" (vocab_size)")
+    eos_ids = eos_id_list(options.eos_token_id, vocab)
+    pad_token_id = check_int_range(options.pad_token_id, "pad_token_id", 0, vocab, allow_none=True,
+                                   note=" (vocab_size)")
     seed = check_int_range(seed, "seed", 0, 2**64, allow_none=True)
     pad = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    min_new = min(options.min_new_tokens, max_new_tokens) if eos_ids else 0
     _warn_past_positions(verifier, drafter_facts, prompt_len, max_new_tokens, max_drafts)
+    prompt_ids = input_ids
+    if copies > 1:
+        input_ids = input_ids.repeat_interleave(copies, dim=0)
+        attention_mask = attention_mask.repeat_interleave(copies, dim=0)
+        batch = batch * copies
 
     generator = None  # seed=None draws from torch's global generator, so torch.manual_seed reproduces a call
     if seed is not None:
         generator = torch.Generator(device="cpu").manual_seed(seed)
     row_seeds = torch.randint(0, 2**62, (batch,), generator=generator, dtype=torch.int64).to(device)
     draft_seeds = row_seeds ^ _DRAFT_STREAM_SALT
+    sampling = Sampling(greedy=temperature == 0, top_k=top_k, top_p=top_p,
+                        penalise=options.repetition_penalty is not None, ban_eos=min_new > 0,
+                        logprobs=output_logprobs)
+    extras = {"repetition_penalty": options.repetition_penalty, "min_new_tokens": min_new, "stop": stop,
+              "on_tokens": None if streamer is None else streamer.put}
 
     start_time = time.perf_counter()
     bar = tqdm(total=batch * max_new_tokens, desc="specdec.generate", unit="tok", disable=not progress)
     use_static = device.type == "cuda" if static is None else static
     reason = _static_problem(verifier, drafter_facts) if use_static else None
     result = None
-    if use_static and reason is None:
-        try:
-            result = _decode_static(verifier, drafter, input_ids, attention_mask, max_new_tokens, draft_lengths,
-                                    temperature, top_k, top_p, vocab, eos_ids, pad, backend, row_seeds, draft_seeds,
-                                    bar.update, compile)
-        except _CaptureError as error:
-            reason = str(error)
-    if result is None:
-        result = decode_eager(verifier, drafter, input_ids, attention_mask, max_new_tokens=max_new_tokens,
-                              draft_lengths=draft_lengths, greedy=temperature == 0, temperature=temperature,
-                              top_k=top_k, top_p=top_p, vocab=vocab, eos_ids=eos_ids, pad=pad, backend=backend,
-                              row_seeds=row_seeds, draft_seeds=draft_seeds, on_emit=bar.update)
-    bar.close()
+    try:
+        if streamer is not None:
+            streamer.put(prompt_ids.cpu())
+        if use_static and reason is None:
+            try:
+                result = _decode_static(verifier, drafter, input_ids, attention_mask, max_new_tokens, draft_lengths,
+                                        temperature, sampling, vocab, eos_ids, pad, backend, row_seeds, draft_seeds,
+                                        bar.update, compile, extras)
+            except _CaptureError as error:
+                reason = str(error)
+        if result is None:
+            result = decode_eager(verifier, drafter, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                                  draft_lengths=draft_lengths, greedy=temperature == 0, temperature=temperature,
+                                  top_k=top_k, top_p=top_p, vocab=vocab, eos_ids=eos_ids, pad=pad, backend=backend,
+                                  row_seeds=row_seeds, draft_seeds=draft_seeds, on_emit=bar.update,
+                                  output_logprobs=output_logprobs, **extras)
+    finally:
+        bar.close()
+        if streamer is not None:
+            streamer.end()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     wall_time = time.perf_counter() - start_time
@@ -348,7 +453,8 @@ def generate(
         wall_time_s=wall_time, num_draft_tokens=max_drafts, draft_lengths=result.draft_lengths,
         path=path, fallback_reason=reason, setup_time_s=result.setup_seconds, compiled=compile and path == "static",
     )
-    return GenerateOutput(sequences=sequences, stats=stats)
+    logprobs = None if result.logprobs is None else result.logprobs[:, :max_generated]
+    return GenerateOutput(sequences=sequences, stats=stats, logprobs=logprobs)
 
 
 def _warn_past_positions(verifier: torch.nn.Module, drafter: torch.nn.Module, prompt_len: int, max_new_tokens: int,
@@ -384,14 +490,13 @@ def _static_problem(verifier: torch.nn.Module, drafter: torch.nn.Module) -> str 
     return None
 
 
-def _decode_static(verifier, drafter, input_ids, attention_mask, max_new_tokens, draft_lengths, temperature, top_k,
-                   top_p, vocab, eos_ids, pad, backend, row_seeds, draft_seeds, on_emit,
-                   compile_models) -> DecodeResult:
+def _decode_static(verifier, drafter, input_ids, attention_mask, max_new_tokens, draft_lengths, temperature,
+                   sampling, vocab, eos_ids, pad, backend, row_seeds, draft_seeds, on_emit, compile_models,
+                   extras) -> DecodeResult:
     """Runs the static path; a failure while building or capturing its rounds becomes a :class:`_CaptureError`."""
     batch, prompt_len = input_ids.shape
     max_drafts = max(draft_lengths)
     device = input_ids.device
-    sampling = Sampling(greedy=temperature == 0, top_k=top_k, top_p=top_p)
     setup_start = time.perf_counter()
     try:
         engine = get_engine(verifier, drafter, batch, prompt_len + max_new_tokens + max_drafts + 1, vocab,
@@ -404,6 +509,6 @@ def _decode_static(verifier, drafter, input_ids, attention_mask, max_new_tokens,
     setup_seconds = time.perf_counter() - setup_start  # engine, captures and round timing (about 0 when reused)
     result = decode_static(engine, controller, input_ids, attention_mask, max_new_tokens=max_new_tokens,
                            draft_lengths=draft_lengths, sampling=sampling, temperature=temperature, eos_ids=eos_ids,
-                           pad=pad, row_seeds=row_seeds, draft_seeds=draft_seeds, on_emit=on_emit)
+                           pad=pad, row_seeds=row_seeds, draft_seeds=draft_seeds, on_emit=on_emit, **extras)
     result.setup_seconds = setup_seconds
     return result

@@ -38,8 +38,10 @@ from specdec._validation import use_triton
 from specdec.decoding.draft_length import DraftLengthController
 from specdec.decoding.eager import DecodeResult
 from specdec.decoding.ngram import NgramDrafter, NgramSlot
+from specdec.decoding.processors import TokenProcessors, draft_contexts, mark_seen, token_logprobs
 from specdec.decoding.sampling import filter_logits_unchecked, rejection_sample_unchecked
 from specdec.decoding.slot_cache import SlotCache, slot_attention_mask
+from specdec.decoding.stop_strings import StopStringChecker
 from specdec.kernels.rejection_sampling_reference import exponential_race
 from specdec.kernels.round_commit import round_commit_triton
 from specdec.kernels.round_commit_reference import RoundState, round_commit_reference
@@ -52,11 +54,16 @@ MAX_SAMPLINGS = 2  # sampling settings whose captured rounds an engine keeps (ea
 
 @dataclass(frozen=True)
 class Sampling:
-    """The sampling settings a captured round depends on (the temperature itself is a device tensor)."""
+    """The sampling settings a captured round depends on (the temperature, the repetition penalty and the minimum
+    count are device tensors). ``penalise``: a repetition penalty applies; ``ban_eos``: eos is banned before
+    ``min_new_tokens``; ``logprobs``: the round records the log-probability of each emitted token."""
 
     greedy: bool
     top_k: int
     top_p: float
+    penalise: bool = False
+    ban_eos: bool = False
+    logprobs: bool = False
 
 
 def _slot_step(model: torch.nn.Module, cache: SlotCache, ids: torch.Tensor, slots: torch.Tensor,
@@ -143,7 +150,9 @@ class StaticEngine:
         self.verifier = _slot(verifier, batch, capacity, vocab, self.key_ok, self.slot_positions, compile_models)
         self.drafter = None if drafter is None else _slot(drafter, batch, capacity, vocab, self.key_ok,
                                                           self.slot_positions, compile_models)
-        self.seq = zeros(batch, capacity)
+        self.seq = zeros(batch, capacity)  # [B, S] int64 padded prompt, then the generated tokens
+        self.logprobs = torch.zeros((batch, capacity), dtype=torch.float32, device=device)  # [B, S] per emitted token
+        self.processors = TokenProcessors(batch, vocab, device)
         self.slot_len, self.prev, self.pending = zeros(batch), zeros(batch), zeros(batch)
         self.generated, self.stream_pos = zeros(batch), zeros(batch)
         self.finished = zeros(batch, dtype=torch.bool)
@@ -193,7 +202,7 @@ class StaticEngine:
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
                 eos_ids: list[int], sampling: Sampling, temperature: float, row_seeds: torch.Tensor,
-                draft_seeds: torch.Tensor) -> None:
+                draft_seeds: torch.Tensor, repetition_penalty: float | None = None, min_new_tokens: int = 0) -> None:
         """Encodes the prompts in both caches (eager) and samples the first token from the verifier."""
         batch, prompt_len = input_ids.shape
         mask = attention_mask.to(torch.bool)
@@ -213,13 +222,21 @@ class StaticEngine:
         self.draft_seeds.copy_(draft_seeds)
         for counter in (*self.counters.values(), self.accepted_per_position, self.attempted_per_position):
             counter.zero_()
+        if sampling.penalise or sampling.ban_eos:
+            self.processors.reset(input_ids, attention_mask, repetition_penalty, min_new_tokens, eos_ids)
+        self.logprobs.zero_()
+        self.generated.zero_()
         slots = torch.arange(prompt_len, device=self.device).expand(batch, prompt_len)
         if self.drafter is not None:
             self.drafter.forward(input_ids, slots, 1, eager=True)  # (prompt lengths vary: never compiled)
         logits = self.verifier.forward(input_ids, slots, 1, eager=True)[:, 0]
         self.stream_pos.zero_()
-        first, bad = self._sample_verifier(logits, sampling)
+        first, bad, logprob = self._sample_verifier(logits, sampling)
         self.seq[:, prompt_len] = first
+        if logprob is not None:
+            self.logprobs[:, prompt_len] = logprob
+        if sampling.penalise:
+            self.processors.commit(first[:, None], torch.ones_like(first[:, None], dtype=torch.bool))
         self.prev.copy_(input_ids[:, -1])
         self.pending.copy_(first)
         self.slot_len.fill_(prompt_len + 1)
@@ -233,17 +250,32 @@ class StaticEngine:
         self.flags[4] = batch
 
     # ------------------------------------------------------------------ sampling helpers
-    def _process(self, logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor, sampling: Sampling, seen: torch.Tensor | None,
+                 generated_before: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, V] as tokens are drawn from them: the token-dependent processors (context ``seen``
+        [B, T or 1, V] bool, ``generated_before`` [B, T] int64), then for sampling ``filter(logits / T)`` in fp32.
+        Greedy rounds without processors get the logits themselves."""
+        if sampling.penalise or sampling.ban_eos:
+            logits = self.processors.process(logits, seen if sampling.penalise else None,
+                                             generated_before if sampling.ban_eos else None)
+        if sampling.greedy:
+            return logits
         return filter_logits_unchecked(logits.float() / self.temperature, sampling.top_k, sampling.top_p)
 
-    def _sample_verifier(self, logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token per row from [B, V] verifier logits at stream position ``stream_pos``; and a NaN flag."""
+    def _sample_verifier(self, logits: torch.Tensor, sampling: Sampling
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One token per row from [B, V] verifier logits at stream position ``stream_pos``, a NaN flag, and the
+        token's log-probability [B] float32 (None unless ``sampling.logprobs``)."""
+        processed = self._process(logits[:, None], sampling, self.processors.seen[:, None, :-1],
+                                  self.generated[:, None])[:, 0]
         if sampling.greedy:
-            token = logits.argmax(dim=-1)
-            return token, torch.isnan(logits.gather(1, token[:, None])).any()
-        processed = self._process(logits, sampling)
-        token = exponential_race(processed, self.row_seeds, self.stream_pos)
-        return token, torch.isnan(processed.amax(dim=-1)).any()
+            token = processed.argmax(dim=-1)
+            bad = torch.isnan(processed.gather(1, token[:, None])).any()
+        else:
+            token = exponential_race(processed, self.row_seeds, self.stream_pos)
+            bad = torch.isnan(processed.amax(dim=-1)).any()
+        logprob = token_logprobs(processed[:, None], token[:, None])[:, 0] if sampling.logprobs else None
+        return token, bad, logprob
 
     # ------------------------------------------------------------------ round bodies
     def _speculative_round(self, num_drafts: int, sampling: Sampling) -> None:
@@ -251,37 +283,44 @@ class StaticEngine:
         offsets = torch.arange(-2, 0, device=self.device)
         logits = self.drafter.forward(torch.stack([self.prev, self.pending], dim=1), n[:, None] + offsets, 1)[:, 0]
         drafts, draft_logits, bad = [], [], torch.zeros((), dtype=torch.bool, device=self.device)
+        seen = self.processors.seen.clone() if sampling.penalise else None  # [B, V + 1] context of the next draft
         for j in range(num_drafts):
             if j:
                 logits = self.drafter.forward(drafts[-1][:, None], (n + j - 1)[:, None], 1)[:, 0]
+            processed = self._process(logits[:, None], sampling, None if seen is None else seen[:, None, :-1],
+                                      (self.generated + j)[:, None])[:, 0]
             if sampling.greedy:
-                drafts.append(logits.argmax(dim=-1))
+                drafts.append(processed.argmax(dim=-1))
             else:
-                processed = self._process(logits, sampling)
                 bad = bad | torch.isnan(processed.amax(dim=-1)).any()
                 drafts.append(exponential_race(processed, self.draft_seeds, self.stream_pos + j))
                 draft_logits.append(processed)
+            if seen is not None:
+                mark_seen(seen, drafts[-1][:, None], torch.ones_like(drafts[-1][:, None], dtype=torch.bool))
         draft_tokens = torch.stack(drafts, dim=1)
         verify_ids = torch.cat([self.pending[:, None], draft_tokens], dim=1)
-        verify_slots = n[:, None] - 1 + torch.arange(num_drafts + 1, device=self.device)
-        target_logits = self.verifier.forward(verify_ids, verify_slots, num_drafts + 1)
+        position = torch.arange(num_drafts + 1, device=self.device)
+        target_logits = self.verifier.forward(verify_ids, n[:, None] - 1 + position, num_drafts + 1)
+        contexts = draft_contexts(self.processors.seen, draft_tokens) if sampling.penalise else None
+        processed = self._process(target_logits, sampling, contexts, self.generated[:, None] + position)
         if sampling.greedy:
-            tokens = target_logits.argmax(dim=-1)
-            bad = bad | torch.isnan(target_logits.gather(2, tokens[..., None])).any()
+            tokens = processed.argmax(dim=-1)
+            bad = bad | torch.isnan(processed.gather(2, tokens[..., None])).any()
             num_accepted = (draft_tokens == tokens[:, :num_drafts]).to(torch.int64).cumprod(dim=1).sum(dim=1)
         else:
-            processed = self._process(target_logits, sampling)
             bad = bad | torch.isnan(processed.amax(dim=-1)).any()
             result = rejection_sample_unchecked(processed, torch.stack(draft_logits, dim=1), draft_tokens, 1.0,
                                                 self.backend, self.row_seeds, self.stream_pos)
             tokens, num_accepted = result.tokens, result.num_accepted
-        self._commit(tokens, num_accepted, num_drafts, bad)
+        logprobs = token_logprobs(processed, tokens) if sampling.logprobs else None
+        self._commit(tokens, num_accepted, num_drafts, bad, sampling, logprobs)
 
     def _plain_round(self, sampling: Sampling) -> None:
         n = self.slot_len
         logits = self.verifier.forward(self.pending[:, None], (n - 1)[:, None], 1)[:, 0]
-        token, bad = self._sample_verifier(logits, sampling)
-        self._commit(token[:, None], torch.zeros_like(token), 0, bad)
+        token, bad, logprob = self._sample_verifier(logits, sampling)
+        self._commit(token[:, None], torch.zeros_like(token), 0, bad, sampling,
+                     None if logprob is None else logprob[:, None])
 
     def _catch_up(self) -> None:
         """The drafter reads the CATCH_UP slots before ``slot_len - 2`` (after rounds without speculation)."""
@@ -289,11 +328,25 @@ class StaticEngine:
         self.drafter.forward(self.seq.gather(1, window), window, 1)
         self.counters["drafter_calls"].add_(~self.finished)
 
-    def _commit(self, tokens: torch.Tensor, num_accepted: torch.Tensor, num_drafts: int, bad: torch.Tensor) -> None:
+    def _commit(self, tokens: torch.Tensor, num_accepted: torch.Tensor, num_drafts: int, bad: torch.Tensor,
+                sampling: Sampling, logprobs: torch.Tensor | None = None) -> None:
         """Emits ``tokens[:, :n + 1]`` (cut at eos and the budget), advances the rows and counts: one launch of the
-        round-commit kernel (its torch reference off CUDA or with ``backend="torch"``)."""
+        round-commit kernel (its torch reference off CUDA or with ``backend="torch"``). With a repetition penalty
+        the emitted tokens join the context; ``logprobs`` [B, K + 1] float32 of the round's tokens are stored beside
+        them."""
+        extra = sampling.penalise or logprobs is not None
+        before = self.generated.clone() if extra else None
         commit = round_commit_triton if self.fused_commit else round_commit_reference
         commit(self.round_state, tokens.contiguous(), num_accepted, bad, self.max_new, self.eos, num_drafts)
+        if extra:  # a row emits a prefix of the round's tokens: count = the growth of generated
+            count = self.generated - before
+            index = torch.arange(num_drafts + 1, device=self.device)
+            emit = index < count[:, None]
+            if sampling.penalise:
+                self.processors.commit(tokens, emit)
+            if logprobs is not None:
+                write = (self.slot_len - count)[:, None] + index
+                self.logprobs.scatter_(1, write, torch.where(emit, logprobs, self.logprobs.gather(1, write)))
 
     # ------------------------------------------------------------------ capture and replay
     def step(self, kind: str, num_drafts: int, sampling: Sampling) -> Callable[[], None]:
@@ -356,6 +409,21 @@ class StaticEngine:
             self._park()  # (timing replays must not advance a live state)
             self.step_seconds[key] = _median_seconds(replay, self.device, repeats)
         return self.step_seconds[key]
+
+    def apply_stop(self, checker: StopStringChecker, prompt_len: int, generated_before: torch.Tensor,
+                   positions: int) -> None:
+        """Cuts every row whose last round (``generated_before`` [B] int64: the counts before it; at most
+        ``positions`` tokens a row) completed a stop string after that token and finishes it; the flags follow
+        (device operations after the round, outside its capture; read with the flags)."""
+        emitted = self.generated - generated_before
+        stop = checker.first_stop(self.seq, prompt_len + generated_before, emitted, positions)
+        cut = stop < emitted
+        dropped = torch.where(cut, emitted - stop - 1, 0)
+        self.generated.sub_(dropped)
+        self.slot_len.sub_(dropped)
+        self.finished.logical_or_(cut)
+        self.flags[0] = self.finished.all()
+        self.flags[4] = (emitted - dropped).sum()
 
     def read_flags(self) -> list[int]:
         """The five round flags (one host synchronisation)."""
@@ -450,33 +518,50 @@ def clear_engines(verifier: torch.nn.Module | None = None) -> None:
 def decode_static(engine: StaticEngine, controller: DraftLengthController | None, input_ids: torch.Tensor,
                   attention_mask: torch.Tensor, *, max_new_tokens: int, draft_lengths: tuple[int, ...],
                   sampling: Sampling, temperature: float, eos_ids: list[int], pad: int, row_seeds: torch.Tensor,
-                  draft_seeds: torch.Tensor, on_emit: Callable[[int], None]) -> DecodeResult:
+                  draft_seeds: torch.Tensor, on_emit: Callable[[int], None], repetition_penalty: float | None = None,
+                  min_new_tokens: int = 0, stop: StopStringChecker | None = None,
+                  on_tokens: Callable[[torch.Tensor], None] | None = None) -> DecodeResult:
     """Runs rounds until every row stops, on an engine whose rounds :meth:`StaticEngine.prepare` captured.
 
-    ``draft_lengths``: one K, or several chosen per round by ``controller``. Returns the new tokens
-    [B, max_new_tokens] (``pad`` after each row's end) and the counters (copies: the engine is reused).
+    ``draft_lengths``: one K, or several chosen per round by ``controller``. ``stop``: rows end after a token that
+    completes a stop string (checked after each round). ``on_tokens``: called with each round's new tokens of a
+    single row ([1, n] int64 on the CPU). Returns the new tokens [B, max_new_tokens] (``pad`` after each row's end),
+    their log-probabilities when ``sampling.logprobs`` and the counters (copies: the engine is reused).
     """
-    engine.prefill(input_ids, attention_mask, max_new_tokens, eos_ids, sampling, temperature, row_seeds, draft_seeds)
+    prompt_len = input_ids.shape[1]
+    engine.prefill(input_ids, attention_mask, max_new_tokens, eos_ids, sampling, temperature, row_seeds, draft_seeds,
+                   repetition_penalty, min_new_tokens)
+    if stop is not None:
+        engine.apply_stop(stop, prompt_len, torch.zeros_like(engine.generated), 1)
     flags = engine.read_flags()
-    rounds, drafter_behind = [], 0
+    rounds, drafter_behind, streamed = [], 0, 0
     while True:
         if flags[1]:
             raise ValueError("a model produced NaN logits; refusing to turn NaN logits into tokens")
         on_emit(flags[4])
+        if on_tokens is not None and flags[4]:  # (a single row: flags[4] is its count)
+            on_tokens(engine.seq[:1, prompt_len + streamed: prompt_len + streamed + flags[4]].cpu())
+            streamed += flags[4]
         if flags[0]:
             break
         num_drafts = controller.choose() if controller is not None else draft_lengths[0]
         if num_drafts and drafter_behind:
             engine.step("catch_up", 0, sampling)()
+        before = engine.generated.clone() if stop is not None else None
         engine.step("round", num_drafts, sampling)()
+        if stop is not None:
+            engine.apply_stop(stop, prompt_len, before, num_drafts + 1)
         drafter_behind = drafter_behind + 1 if num_drafts == 0 else 0
         rounds.append(num_drafts)
         flags = engine.read_flags()
         if controller is not None and num_drafts:
             controller.observe(flags[2], flags[3])
-    prompt_len = input_ids.shape[1]
     index = torch.arange(max_new_tokens, device=input_ids.device)
-    tokens = engine.seq[:, prompt_len: prompt_len + max_new_tokens]
-    tokens = torch.where(index < engine.generated[:, None], tokens, pad)
+    written = index < engine.generated[:, None]
+    tokens = torch.where(written, engine.seq[:, prompt_len: prompt_len + max_new_tokens], pad)
+    logprobs = None
+    if sampling.logprobs:
+        logprobs = torch.where(written, engine.logprobs[:, prompt_len: prompt_len + max_new_tokens], 0.0)
     return DecodeResult(tokens, engine.generated.clone(), {k: v.clone() for k, v in engine.counters.items()},
-                        engine.accepted_per_position.clone(), engine.attempted_per_position.clone(), rounds, 0.0)
+                        engine.accepted_per_position.clone(), engine.attempted_per_position.clone(), rounds, 0.0,
+                        logprobs)
