@@ -10,8 +10,7 @@ interpreter's ``tl.dot`` multiplies the raw bits of 16-bit tiles, so there they 
 changes no product), over the slots of its split (``cdiv(cdiv(last slot + 1, splits), block_s)`` key tiles), with
 an online softmax in float32. With one split it writes the output; with several it writes float32 partials (running
 max, normaliser, unnormalised output) and ``_decode_attention_merge_kernel`` on ``(B T, H)`` combines them by
-log-sum-exp. No atomics: a replay
-gives the same output.
+log-sum-exp. No atomics: a replay gives the same output.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from .gemv_reference import EPILOGUES, gemv_reference, output_features
 __all__ = ["MAX_ROWS", "GemvPlan", "gemv_plan", "gemv_triton"]
 
 MAX_ROWS = 64  # rows the kernel serves; past this cuBLAS (torch) reads each weight once too and computes faster
+BROADCAST_ELEMENTS = 4096  # float32 accumulators of a broadcast program (4 warps)
 BROADCAST_ROWS = 2  # rows up to which the broadcast inner product beats tensor-core tiles padded to 16 rows
 _EPILOGUE_CODES = {name: code for code, name in enumerate(EPILOGUES)}
 
@@ -69,8 +70,9 @@ def gemv_plan(rows: int, features: int, reduction: int, dtype: torch.dtype, devi
     block_k = 1024 // dtype.itemsize if not dot else 128
     # NOTE: at least two programs per multiprocessor, so that enough loads are in flight to reach HBM bandwidth.
     target = 2 * sm_count(device)
-    block_n = 64
-    while block_n > (16 if dot else 2) and triton.cdiv(features, block_n) < target:
+    # NOTE: the broadcast accumulators hold block_m x block_n x block_k floats: 32 a thread at most, no spills.
+    block_n = 64 if dot else max(1, BROADCAST_ELEMENTS // (block_m * block_k))
+    while block_n > (16 if dot else 1) and triton.cdiv(features, block_n) < target:
         block_n //= 2
     return GemvPlan(matmul=False, block_m=block_m, block_n=block_n, block_k=block_k, dot=dot, num_warps=4,
                     num_stages=3)

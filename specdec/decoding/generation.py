@@ -35,6 +35,7 @@ from specdec._validation import (
 from specdec.compat import SpecdecWarning, pair_positions
 from specdec.decoding.draft_length import AUTO_DRAFT_LENGTHS
 from specdec.decoding.eager import DecodeResult, decode_eager
+from specdec.decoding.native import native_problem
 from specdec.decoding.ngram import NgramDrafter, as_ngram_drafter, drafter_model
 from specdec.decoding.slot_cache import fast_path_problem
 from specdec.decoding.static import Sampling, clear_engines, decode_static, get_engine
@@ -54,7 +55,10 @@ class SpecDecodeStats:
     wall_time_s: wall-clock time of the whole call (device synchronised).
     num_draft_tokens: K (the largest K for ``"auto"``). draft_lengths: the K of every round, in order.
     path: ``"static"`` (slot caches, CUDA graphs on CUDA) or ``"eager"`` (dynamic caches).
-    fallback_reason: why the static path was not used, when it was asked for or would be the default; else None.
+    fallback_reason: why the static path was not used, when it was asked for or would be the default; with
+    ``runner="native"``, why a model did not run on the native decode runner; else None.
+    runner: ``"native"`` when every model of the call ran its decoding steps on the native decode runner (the static
+    path), else ``"hf"`` (each model's own Hugging Face forward).
     setup_time_s: graph capture, compilation and round timing paid by this call (about 0 when a previous call's are
     reused). compiled: whether ``compile=True`` took effect (only the static path compiles).
     """
@@ -73,6 +77,7 @@ class SpecDecodeStats:
     fallback_reason: str | None = None
     setup_time_s: float = 0.0
     compiled: bool = False
+    runner: str = "hf"
 
     @property
     def acceptance_rate(self) -> torch.Tensor:
@@ -131,6 +136,7 @@ class SpecDecodeStats:
             "compiled": self.compiled,
             "wall_time_s": self.wall_time_s,
             "path": self.path,
+            "runner": self.runner,
             "fallback_reason": self.fallback_reason,
             "setup_time_s": self.setup_time_s,
             "mean_draft_length": sum(self.draft_lengths) / max(len(self.draft_lengths), 1),
@@ -186,6 +192,7 @@ def generate(
     progress: bool = False,
     static: bool | None = None,
     compile: bool = False,
+    runner: str = "auto",
 ) -> GenerateOutput:
     """Speculative decoding whose output follows ``verifier`` exactly (greedy or sampled).
 
@@ -219,7 +226,13 @@ def generate(
         compile: on the static path, fuse each model's forward call with ``torch.compile`` before its rounds are
             captured: decoding steps run several times faster (fewer, fused kernels), at a one-time compilation
             cost of tens of seconds per model pair and batch size (reported in ``stats.setup_time_s``). The eager
-            path does not compile: there ``compile=True`` warns and ``stats.compiled`` is False.
+            path does not compile: there ``compile=True`` warns and ``stats.compiled`` is False. Models on the native
+            runner are not compiled (their steps are fused kernels already).
+        runner: what runs a model's decoding steps on the static path. ``"native"``: the native decode runner
+            (Llama, Mistral, Qwen2, Qwen3: specdec's kernels over the user's weights, a step costing about its weight
+            reads; it implies the static path, also on the CPU); a model it cannot run keeps its HF forward and
+            ``stats.fallback_reason`` says why. ``"auto"`` (default): native for every model it can run, silently.
+            ``"hf"``: each model's own forward. ``stats.runner`` reports the runner used.
 
     Returns:
         :class:`GenerateOutput` with ``sequences`` [B, L + max generated] and ``stats``.
@@ -273,6 +286,10 @@ def generate(
         raise TypeError(f"static must be True, False or None, got {static!r}")
     if not isinstance(compile, bool):
         raise TypeError(f"compile must be True or False, got {compile!r}")
+    if runner not in ("auto", "native", "hf"):
+        raise ValueError(f"runner must be 'auto', 'native' or 'hf', got {runner!r}")
+    if runner == "native" and static is False:
+        raise ValueError("runner='native' runs on the static path: it cannot be combined with static=False")
     # The eager path's caches keep one slot layout for the whole batch: each round appends K + 1 slots and rows that
     # accept fewer drafts leave masked slots behind. A sliding window counts slots, not tokens (and transformers'
     # sliding cache layers cannot roll back past the window), so the window must hold every slot the call can create.
@@ -313,14 +330,14 @@ def generate(
 
     start_time = time.perf_counter()
     bar = tqdm(total=batch * max_new_tokens, desc="specdec.generate", unit="tok", disable=not progress)
-    use_static = device.type == "cuda" if static is None else static
+    use_static = (device.type == "cuda" or runner == "native") if static is None else static
     reason = _static_problem(verifier, drafter_facts) if use_static else None
     result = None
     if use_static and reason is None:
         try:
             result = _decode_static(verifier, drafter, input_ids, attention_mask, max_new_tokens, draft_lengths,
                                     temperature, top_k, top_p, vocab, eos_ids, pad, backend, row_seeds, draft_seeds,
-                                    bar.update, compile)
+                                    bar.update, compile, "hf" if runner == "hf" else "native")
         except _CaptureError as error:
             reason = str(error)
     if result is None:
@@ -333,6 +350,10 @@ def generate(
         torch.cuda.synchronize(device)
     wall_time = time.perf_counter() - start_time
     path = "static" if use_static and reason is None else "eager"
+    native_reason = _native_problem(verifier, drafter if max_drafts else None) if runner != "hf" else "hf"
+    used_runner = "native" if path == "static" and native_reason is None else "hf"
+    if runner == "native" and reason is None and native_reason is not None:
+        reason = f"native runner not used: {native_reason}"
     if compile and path == "eager":
         warnings.warn("compile=True has no effect on the eager path (only the static path compiles its decoding "
                       f"step){': ' + reason if reason else ''}", SpecdecWarning, stacklevel=3)
@@ -346,7 +367,8 @@ def generate(
         accepted_per_position=result.accepted_per_position[:, :max(max_drafts, 1)].cpu(),
         attempted_per_position=result.attempted_per_position[:, :max(max_drafts, 1)].cpu(),
         wall_time_s=wall_time, num_draft_tokens=max_drafts, draft_lengths=result.draft_lengths,
-        path=path, fallback_reason=reason, setup_time_s=result.setup_seconds, compiled=compile and path == "static",
+        path=path, fallback_reason=reason, setup_time_s=result.setup_seconds,
+        compiled=compile and path == "static" and (runner == "hf" or native_reason is not None), runner=used_runner,
     )
     return GenerateOutput(sequences=sequences, stats=stats)
 
@@ -384,9 +406,19 @@ def _static_problem(verifier: torch.nn.Module, drafter: torch.nn.Module) -> str 
     return None
 
 
+def _native_problem(verifier: torch.nn.Module, drafter: torch.nn.Module | NgramDrafter | None) -> str | None:
+    """Why the native runner cannot run this pair (the first model's reason, named), or None. An n-gram drafter
+    (no decoder) and a plain call (no drafter) leave the verifier alone."""
+    for name, model in (("verifier", verifier), ("drafter", drafter)):
+        problem = None if model is None or isinstance(model, NgramDrafter) else native_problem(model)
+        if problem is not None:
+            return f"{name}: {problem}"
+    return None
+
+
 def _decode_static(verifier, drafter, input_ids, attention_mask, max_new_tokens, draft_lengths, temperature, top_k,
                    top_p, vocab, eos_ids, pad, backend, row_seeds, draft_seeds, on_emit,
-                   compile_models) -> DecodeResult:
+                   compile_models, runner) -> DecodeResult:
     """Runs the static path; a failure while building or capturing its rounds becomes a :class:`_CaptureError`."""
     batch, prompt_len = input_ids.shape
     max_drafts = max(draft_lengths)
@@ -395,7 +427,7 @@ def _decode_static(verifier, drafter, input_ids, attention_mask, max_new_tokens,
     setup_start = time.perf_counter()
     try:
         engine = get_engine(verifier, drafter, batch, prompt_len + max_new_tokens + max_drafts + 1, vocab,
-                            max_drafts, len(eos_ids), device, backend, device.type == "cuda", compile_models)
+                            max_drafts, len(eos_ids), device, backend, device.type == "cuda", compile_models, runner)
         controller = engine.prepare(draft_lengths, sampling)
     except (RuntimeError, TypeError, ValueError, AttributeError, NotImplementedError) as error:
         clear_engines(verifier)

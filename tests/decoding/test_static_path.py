@@ -80,7 +80,8 @@ def test_gpu_cache_capacity_edge_with_graphs_and_compile(verifier, drafter, num_
         for max_new_tokens in (edge - 1, edge, edge + 1):
             expected = _reference(verifier, input_ids, attention_mask, max_new_tokens)
             out = specdec.generate(verifier, drafter, input_ids, attention_mask, max_new_tokens=max_new_tokens,
-                                   num_draft_tokens=num_draft_tokens, pad_token_id=0, compile=compile_models)
+                                   num_draft_tokens=num_draft_tokens, pad_token_id=0, compile=compile_models,
+                                   runner="hf")  # (compile fuses HF forward calls; native steps are kernels)
             torch.cuda.synchronize()
             assert out.stats.path == "static" and out.stats.compiled == compile_models
             assert torch.equal(out.sequences, expected), (compile_models, max_new_tokens)
