@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import INTERPRETER, launching_on, sm_count
+from ._device import INTERPRETER, launching_on, major_capability, sm_count
 
 __all__ = ["DecodeAttentionPlan", "decode_attention_plan", "decode_attention_triton"]
 
@@ -32,11 +32,13 @@ SPLIT_SLOTS = 256  # cache slots per split at least, so that a split amortises r
 @dataclass(frozen=True)
 class DecodeAttentionPlan:
     """One :func:`decode_attention_triton` call: ``block_s`` slots per key tile (a power of two >= 16), ``splits``
-    key ranges per (row, KV head) (1 .. :data:`MAX_SPLITS`; more than one adds the merge launch), ``num_warps``."""
+    key ranges per (row, KV head) (1 .. :data:`MAX_SPLITS`; more than one adds the merge launch), ``num_warps``,
+    ``pdl``: programmatic dependent launch (sm_90+)."""
 
     block_s: int
     splits: int
     num_warps: int
+    pdl: bool = False
 
 
 def decode_attention_plan(batch: int, num_kv_heads: int, capacity: int, head_dim: int,
@@ -48,7 +50,8 @@ def decode_attention_plan(batch: int, num_kv_heads: int, capacity: int, head_dim
     # NOTE: enough (row, KV head, split) programs to give every multiprocessor one, as long as a split keeps
     # SPLIT_SLOTS slots of a full cache.
     splits = max(1, min(triton.cdiv(sm_count(device), batch * num_kv_heads), capacity // SPLIT_SLOTS, MAX_SPLITS))
-    return DecodeAttentionPlan(block_s=64 if head_dim <= 128 else 32, splits=splits, num_warps=4)
+    return DecodeAttentionPlan(block_s=64 if head_dim <= 128 else 32, splits=splits, num_warps=4,
+                               pdl=major_capability(device) >= 9)
 
 
 @triton.jit
@@ -56,8 +59,10 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, key_ok_ptr, slots_ptr, out_ptr
                              T, H, D, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                              stride_okb, scale,
                              G: tl.constexpr, UPCAST: tl.constexpr, SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr,
-                             BLOCK_S: tl.constexpr,
-                             BLOCK_D: tl.constexpr):
+                             BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -118,7 +123,11 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, key_ok_ptr, slots_ptr, out_ptr
 
 @triton.jit
 def _decode_attention_merge_kernel(part_ptr, stats_ptr, out_ptr, H, D,
-                                   SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+                                   SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+                                   PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pair = tl.program_id(0).to(tl.int64) * H + tl.program_id(1)  # (token, head)
     i = tl.arange(0, BLOCK_SPLITS)
     i_ok = i < SPLITS
@@ -181,17 +190,18 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     else:
         part = stats = out
     block_d = max(16, triton.next_power_of_2(head_dim))  # (tl.dot needs 16)
+    launch = dict(launch_pdl=True) if plan.pdl else {}
     with launching_on(q.device):
         _decode_attention_kernel[(batch, kv_heads, splits)](
             q, k_cache, v_cache, key_ok.view(torch.uint8), slots, out, part, stats, steps, heads, head_dim,
             *k_cache.stride()[:3], *v_cache.stride()[:3], key_ok.stride(0), float(scale),
             G=group, UPCAST=INTERPRETER, SPLITS=splits, BLOCK_Q=block_q, BLOCK_S=plan.block_s,
-            BLOCK_D=block_d,
-            num_warps=plan.num_warps,
+            BLOCK_D=block_d, PDL=plan.pdl, num_warps=plan.num_warps, **launch,
         )
         if splits > 1:
             _decode_attention_merge_kernel[(batch * steps, heads)](
                 part, stats, out, heads, head_dim,
-                SPLITS=splits, BLOCK_SPLITS=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=1,
+                SPLITS=splits, BLOCK_SPLITS=triton.next_power_of_2(splits), BLOCK_D=block_d, PDL=plan.pdl,
+                num_warps=1, **launch,
             )
     return out

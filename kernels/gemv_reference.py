@@ -1,14 +1,17 @@
-"""Reference of the decode step's projections: ``x @ W^T`` for a few rows, with the epilogue of its place in a layer.
+"""Reference of the decode step's projections: ``x @ W^T`` for a few rows, with the prologue and epilogue of its
+place in a layer.
 
-This is the definition :func:`specdec.kernels.gemv.gemv_triton` computes. Each epilogue reproduces the operations
-Hugging Face's Llama-family layers run after the projection, in their cast order (every intermediate rounded to the
-weight's dtype, as the separate torch operations round it).
+This is the definition :func:`specdec.kernels.gemv.gemv_triton` computes. The prologue is the RMS norm that precedes
+the projection (the layer's input or post-attention norm, or the final norm before the head); each epilogue
+reproduces the operations Hugging Face's Llama-family layers run after the projection. The cast order is theirs:
+every intermediate rounded to the weight's dtype, as the separate torch operations round it.
 
 Terms:
     ``x`` [M, K]: M = B T rows (B requests, T new tokens each). ``W`` [N_w, K]: an ``nn.Linear`` weight.
     ``bias`` [N_w] or None. ``dtype``: the weight's dtype; ``round`` casts float32 to it.
 
-Formula (per row ``m``, feature ``n``; ``y = x @ W^T + bias`` accumulated in float32)::
+Formula (per row ``m``, feature ``n``; ``y = h @ W^T + bias`` accumulated in float32, with ``h = x``, or
+``h = rms_norm_reference(x, norm_weight, eps)`` when a norm weight is given)::
 
     "none":      out[m, n] = round(y[m, n])                                   N = N_w
     "residual":  out[m, n] = round(float32(residual[m, n]) + round(y[m, n]))  N = N_w  (``residual + o_proj(h)``)
@@ -21,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional
 
+from .rms_norm_reference import rms_norm_reference
+
 __all__ = ["EPILOGUES", "gemv_reference", "output_features"]
 
 EPILOGUES = ("none", "residual", "silu_mul")
@@ -32,8 +37,9 @@ def output_features(weight_rows: int, epilogue: str) -> int:
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str = "none",
-                   residual: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight^T (+ bias)`` followed by ``epilogue``.
+                   residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                   eps: float = 0.0) -> torch.Tensor:
+    """``rms_norm(x) @ weight^T (+ bias)`` (or ``x @ weight^T (+ bias)``) followed by ``epilogue``.
 
     Parameters
     ----------
@@ -47,12 +53,16 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         ``"none"``, ``"residual"`` or ``"silu_mul"`` (module docstring).
     residual : torch.Tensor, optional
         [M, N_w], the dtype of ``weight``; required by ``"residual"``.
+    norm_weight : torch.Tensor, optional
+        [K], the dtype of ``weight``: RMS-normalise the rows of ``x`` first (epsilon ``eps``).
 
     Returns
     -------
     torch.Tensor
         [M, N] in the weight's dtype, contiguous (N from :func:`output_features`).
     """
+    if norm_weight is not None:
+        x = rms_norm_reference(x, norm_weight, eps)
     y = functional.linear(x, weight, bias)
     if epilogue == "residual":
         return (residual + y).contiguous()

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import INTERPRETER, launching_on
+from ._device import INTERPRETER, launching_on, major_capability
 
 __all__ = ["RmsNormPlan", "rms_norm_plan", "rms_norm_triton"]
 
@@ -26,10 +26,12 @@ MAX_BLOCK = 8192  # features one chunk holds at most (registers); wider rows are
 
 @dataclass(frozen=True)
 class RmsNormPlan:
-    """One :func:`rms_norm_triton` launch: ``block`` features per chunk (a power of two) and ``num_warps``."""
+    """One :func:`rms_norm_triton` launch: ``block`` features per chunk (a power of two), ``num_warps``, ``pdl``:
+    programmatic dependent launch (sm_90+)."""
 
     block: int
     num_warps: int
+    pdl: bool = False
 
 
 def rms_norm_plan(features: int, device: torch.device) -> RmsNormPlan:
@@ -39,12 +41,15 @@ def rms_norm_plan(features: int, device: torch.device) -> RmsNormPlan:
         return RmsNormPlan(block=16, num_warps=1)
     block = min(triton.next_power_of_2(features), MAX_BLOCK)
     # NOTE: 8 bf16 features per thread and load; a 2048-wide row then takes 8 warps.
-    return RmsNormPlan(block=block, num_warps=max(1, min(16, block // 256)))
+    return RmsNormPlan(block=block, num_warps=max(1, min(16, block // 256)), pdl=major_capability(device) >= 9)
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, R, N, stride_xb, stride_xr, eps,
-                     BLOCK: tl.constexpr, ONE_CHUNK: tl.constexpr):
+                     BLOCK: tl.constexpr, ONE_CHUNK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     b = row // R
     r = row % R
@@ -113,6 +118,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, plan: Rms
     with launching_on(x.device):
         _rms_norm_kernel[(batch * rows,)](
             x3, weight, out, rows, features, x3.stride(0), x3.stride(1), float(eps),
-            BLOCK=plan.block, ONE_CHUNK=plan.block >= features, num_warps=plan.num_warps,
+            BLOCK=plan.block, ONE_CHUNK=plan.block >= features, PDL=plan.pdl, num_warps=plan.num_warps,
+            **(dict(launch_pdl=True) if plan.pdl else {}),
         )
     return out

@@ -17,17 +17,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import INTERPRETER, launching_on
+from ._device import INTERPRETER, launching_on, major_capability
 
 __all__ = ["RotaryCacheWritePlan", "rotary_cache_write_plan", "rotary_cache_write_triton"]
 
 
 @dataclass(frozen=True)
 class RotaryCacheWritePlan:
-    """One :func:`rotary_cache_write_triton` launch: ``block_h`` heads per program (a power of two), ``num_warps``."""
+    """One :func:`rotary_cache_write_triton` launch: ``block_h`` heads per program (a power of two), ``num_warps``,
+    ``pdl``: programmatic dependent launch (sm_90+)."""
 
     block_h: int
     num_warps: int
+    pdl: bool = False
 
 
 def rotary_cache_write_plan(num_heads: int, num_kv_heads: int, head_dim: int,
@@ -38,14 +40,19 @@ def rotary_cache_write_plan(num_heads: int, num_kv_heads: int, head_dim: int,
         return RotaryCacheWritePlan(block_h=2, num_warps=1)
     # NOTE: all heads of a token in one program: the work is a few KiB, a second program would only add latency.
     block_h = triton.next_power_of_2(num_heads + num_kv_heads)
-    return RotaryCacheWritePlan(block_h=block_h, num_warps=4 if block_h * head_dim >= 2048 else 1)
+    return RotaryCacheWritePlan(block_h=block_h, num_warps=4 if block_h * head_dim >= 2048 else 1,
+                                pdl=major_capability(device) >= 9)
 
 
 @triton.jit
 def _rotary_cache_write_kernel(qkv_ptr, positions_ptr, slots_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr,
                                q_out_ptr, k_cache_ptr, v_cache_ptr, T, H, H_KV, D, stride_qkv, stride_table,
                                stride_cb, stride_ch, stride_cs, stride_vb, stride_vh, stride_vs, eps,
-                               HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                               HAS_NORM: tl.constexpr, PDL: tl.constexpr, BLOCK_H: tl.constexpr,
+                               BLOCK_D: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     token = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # 0 .. H - 1 queries, H .. H + H_kv - 1 keys
     d = tl.arange(0, BLOCK_D)
@@ -137,7 +144,7 @@ def rotary_cache_write_triton(qkv: torch.Tensor, positions: torch.Tensor, slots:
             qkv, positions, slots, cos, sin, q_norm if q_norm is not None else cos,
             k_norm if k_norm is not None else cos, q_out, k_cache, v_cache, steps, num_heads, kv_heads, head_dim,
             qkv.stride(0), cos.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], float(eps),
-            HAS_NORM=q_norm is not None, BLOCK_H=plan.block_h, BLOCK_D=triton.next_power_of_2(head_dim),
-            num_warps=plan.num_warps,
+            HAS_NORM=q_norm is not None, PDL=plan.pdl, BLOCK_H=plan.block_h, BLOCK_D=triton.next_power_of_2(head_dim),
+            num_warps=plan.num_warps, **(dict(launch_pdl=True) if plan.pdl else {}),
         )
     return q_out
