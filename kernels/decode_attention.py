@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import INTERPRETER, launching_on, major_capability, sm_count
+from ._device import DECODE_PDL, INTERPRETER, launching_on, major_capability, sm_count
 
 __all__ = ["DecodeAttentionPlan", "decode_attention_plan", "decode_attention_triton"]
 
@@ -51,7 +51,7 @@ def decode_attention_plan(batch: int, num_kv_heads: int, capacity: int, head_dim
     # SPLIT_SLOTS slots of a full cache.
     splits = max(1, min(triton.cdiv(sm_count(device), batch * num_kv_heads), capacity // SPLIT_SLOTS, MAX_SPLITS))
     return DecodeAttentionPlan(block_s=64 if head_dim <= 128 else 32, splits=splits, num_warps=4,
-                               pdl=major_capability(device) >= 9)
+                               pdl=DECODE_PDL and major_capability(device) >= 9)
 
 
 @triton.jit

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import INTERPRETER, launching_on, major_capability, sm_count
+from ._device import DECODE_PDL, INTERPRETER, launching_on, major_capability, sm_count
 from .gemv_reference import EPILOGUES, gemv_reference, output_features
 
 __all__ = ["MAX_ROWS", "GemvPlan", "gemv_plan", "gemv_triton"]
@@ -72,16 +72,19 @@ def gemv_plan(rows: int, features: int, reduction: int, dtype: torch.dtype, devi
         # NOTE: small tiles in the interpreter so that tails in N and K and several programs run in the CPU tests.
         return GemvPlan(matmul=False, block_m=block_m, block_n=16 if dot else 4, block_k=16, dot=dot, num_warps=1,
                         num_stages=1)
-    # NOTE: 1 KiB of a weight row per chunk: 16-byte loads for every thread of 4 warps over 8 rows at a time.
-    block_k = 1024 // dtype.itemsize if not dot else 128
+    # NOTE: long chunks: a program's chunks are serial memory round trips, and at batch 1 that latency, not the
+    # bandwidth, bounds a projection of a few MiB (H200, llama-1b step: 2 KiB chunks 1.14 ms, 1 KiB 1.33 ms,
+    # 512 B 1.55 ms). Tensor-core tiles: 256 (1 KiB) beat 64, 128 and 512 on the 5-row step.
+    block_k = 2048 // dtype.itemsize if not dot else 256
     target = 2 * sm_count(device)
     # NOTE: the broadcast accumulators hold block_m x block_n x block_k floats: 32 a thread at most, no spills.
     block_n = 64 if dot else max(1, BROADCAST_ELEMENTS // (block_m * block_k))
-    # NOTE: at least two programs per multiprocessor, so that enough loads are in flight to reach HBM bandwidth.
-    while block_n > (16 if dot else 1) and triton.cdiv(features, block_n) < target:
+    # NOTE: at least two programs per multiprocessor, so that enough loads are in flight to reach HBM bandwidth;
+    # tensor-core tiles keep 32 features (16 was 1.36x slower on the 5-row llama-1b step).
+    while block_n > (32 if dot else 1) and triton.cdiv(features, block_n) < target:
         block_n //= 2
     return GemvPlan(matmul=False, block_m=block_m, block_n=block_n, block_k=block_k, dot=dot, num_warps=4,
-                    num_stages=3, pdl=major_capability(device) >= 9)
+                    num_stages=3, pdl=DECODE_PDL and major_capability(device) >= 9)
 
 
 @triton.jit

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import INTERPRETER, launching_on, major_capability
+from ._device import DECODE_PDL, INTERPRETER, launching_on, major_capability
 
 __all__ = ["RmsNormPlan", "rms_norm_plan", "rms_norm_triton"]
 
@@ -41,7 +41,8 @@ def rms_norm_plan(features: int, device: torch.device) -> RmsNormPlan:
         return RmsNormPlan(block=16, num_warps=1)
     block = min(triton.next_power_of_2(features), MAX_BLOCK)
     # NOTE: 8 bf16 features per thread and load; a 2048-wide row then takes 8 warps.
-    return RmsNormPlan(block=block, num_warps=max(1, min(16, block // 256)), pdl=major_capability(device) >= 9)
+    return RmsNormPlan(block=block, num_warps=max(1, min(16, block // 256)),
+                       pdl=DECODE_PDL and major_capability(device) >= 9)
 
 
 @triton.jit

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import INTERPRETER, launching_on, major_capability
+from ._device import DECODE_PDL, INTERPRETER, launching_on, major_capability
 
 __all__ = ["RotaryCacheWritePlan", "rotary_cache_write_plan", "rotary_cache_write_triton"]
 
@@ -41,7 +41,7 @@ def rotary_cache_write_plan(num_heads: int, num_kv_heads: int, head_dim: int,
     # NOTE: all heads of a token in one program: the work is a few KiB, a second program would only add latency.
     block_h = triton.next_power_of_2(num_heads + num_kv_heads)
     return RotaryCacheWritePlan(block_h=block_h, num_warps=4 if block_h * head_dim >= 2048 else 1,
-                                pdl=major_capability(device) >= 9)
+                                pdl=DECODE_PDL and major_capability(device) >= 9)
 
 
 @triton.jit

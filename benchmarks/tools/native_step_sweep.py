@@ -3,8 +3,9 @@
 1. A kernel profile of one eager native step (llama-1b shape, batch 1, T = 1 and T = 5): device time per kernel
    name, and the bytes-per-second of the projections.
 2. Step times (CUDA-graph replays, as ``bench_generate.py --step``) of the llama-1b plain and verification steps and
-   of the 24x1024 plain and 2-layer drafter steps under variants of the plans: programmatic dependent launch off,
-   separate RMS-norm launches, and other GEMV tiles for one row (broadcast) and for 5 rows (``tl.dot``).
+   of the 24x1024 plain and 2-layer drafter steps under variants of the shipped plans: programmatic dependent launch
+   on, RMS norms in the projections' prologue, other GEMV tiles for one row (broadcast) and for 5 rows (``tl.dot``),
+   more attention splits.
 
     python benchmarks/tools/native_step_sweep.py [--skip-profile] [--variants NAME,...]
 """
@@ -34,37 +35,39 @@ from specdec.decoding.static import clear_engines, get_engine  # noqa: E402
 ORIGINAL = {module: module.__dict__[name] for module, name in (
     (gemv_module, "gemv_plan"), (rms_module, "rms_norm_plan"), (rotary_module, "rotary_cache_write_plan"),
     (attention_module, "decode_attention_plan"))}
+SHIPPED_FUSED_NORMS = native_model.FUSED_NORMS
 PLAN_NAMES = {gemv_module: "gemv_plan", rms_module: "rms_norm_plan", rotary_module: "rotary_cache_write_plan",
               attention_module: "decode_attention_plan"}
 
 # name: (broadcast (block_k, accumulators, warps) or None, dot (block_k, min block_n, stages, warps) or None,
-#        one-row dot, pdl, fused norms)
+#        one-row dot, pdl (None: as planned), fused norms (None: as shipped), attention split slots or None)
 VARIANTS = {
-    "default": (None, None, False, True, True),
-    "no_pdl": (None, None, False, False, True),
-    "separate_norms": (None, None, False, True, False),
-    "bc_k256": ((256, 4096, 4), None, False, True, True),
-    "bc_k1024": ((1024, 4096, 4), None, False, True, True),
-    "bc_8w": ((512, 8192, 8), None, False, True, True),
-    "bc_2w": ((512, 2048, 2), None, False, True, True),
-    "dot_m1": (None, None, True, True, True),
-    "dot_k256": (None, (256, 16, 3, 4), False, True, True),
-    "dot_k512": (None, (512, 16, 3, 4), False, True, True),
-    "dot_k256_s4": (None, (256, 16, 4, 4), False, True, True),
-    "dot_k256_n32": (None, (256, 32, 3, 4), False, True, True),
-    "dot_k512_8w": (None, (512, 16, 3, 8), False, True, True),
-    "dot_k64": (None, (64, 16, 4, 4), False, True, True),
+    "default": (None, None, False, None, None, None),
+    "pdl": (None, None, False, True, None, None),
+    "fused_norms": (None, None, False, None, True, None),
+    "fused_norms_pdl": (None, None, False, True, True, None),
+    "bc_k512": ((512, 4096, 4), None, False, None, None, None),
+    "bc_k2048": ((2048, 4096, 4), None, False, None, None, None),
+    "bc_k2048_8w": ((2048, 8192, 8), None, False, None, None, None),
+    "bc_k4096_8w": ((4096, 8192, 8), None, False, None, None, None),
+    "dot_m1": (None, None, True, None, None, None),
+    "dot_k128_n16": (None, (128, 16, 3, 4), False, None, None, None),
+    "dot_k512_n32": (None, (512, 32, 3, 4), False, None, None, None),
+    "dot_k256_n64": (None, (256, 64, 3, 4), False, None, None, None),
+    "dot_k256_n32_s2": (None, (256, 32, 2, 4), False, None, None, None),
+    "attn_split64": (None, None, False, None, None, 64),
 }
 
 
-def configure(broadcast, dot, dot_one_row, pdl, fused) -> None:
+def configure(broadcast, dot, dot_one_row, pdl, fused, split_slots) -> None:
+    """Patches the plan functions (and the model's norm placement) for one variant; None keeps what ships."""
     def gemv_plan(rows, features, reduction, dtype, device):
         plan = ORIGINAL[gemv_module](rows, features, reduction, dtype, device)
         if plan.matmul:
             return plan
         target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
         if (dot is not None and plan.dot) or (dot_one_row and not plan.dot):
-            block_k, minimum, stages, warps = dot or (128, 16, 3, 4)
+            block_k, minimum, stages, warps = dot or (256, 32, 3, 4)
             block_n = 64
             while block_n > minimum and triton.cdiv(features, block_n) < target:
                 block_n //= 2
@@ -76,16 +79,20 @@ def configure(broadcast, dot, dot_one_row, pdl, fused) -> None:
             while block_n > 1 and triton.cdiv(features, block_n) < target:
                 block_n //= 2
             plan = dataclasses.replace(plan, block_k=block_k, block_n=block_n, num_warps=warps)
-        return dataclasses.replace(plan, pdl=plan.pdl and pdl)
+        return plan if pdl is None else dataclasses.replace(plan, pdl=pdl)
 
     gemv_module.gemv_plan = gemv_plan
     for module in (rms_module, rotary_module, attention_module):
         def other(*args, module=module, **kwargs):
             plan = ORIGINAL[module](*args, **kwargs)
-            return dataclasses.replace(plan, pdl=plan.pdl and pdl)
+            if module is attention_module and split_slots is not None:
+                batch, kv_heads, capacity = args[:3]
+                splits = max(1, min(triton.cdiv(132, batch * kv_heads), capacity // split_slots, 64))
+                plan = dataclasses.replace(plan, splits=splits)
+            return plan if pdl is None else dataclasses.replace(plan, pdl=pdl)
 
         setattr(module, PLAN_NAMES[module], other)
-    native_model.FUSED_NORMS = fused
+    native_model.FUSED_NORMS = SHIPPED_FUSED_NORMS if fused is None else fused
 
 
 def step_times(verifier, drafter, batch: int, steps: list[tuple[str, str, int]]) -> dict[str, float]:

@@ -2,12 +2,11 @@
 
 ``NativeModel.step(ids, slots, positions, key_ok)`` runs the decoder on T new tokens per row and returns hidden
 states; ``NativeModel.logits(hidden, keep)`` the final norm and head on the last ``keep`` of them. A decoder layer
-is six launches (seven when the attention splits its keys), the two RMS norms folded into the prologue of the
-projection that follows them (:data:`FUSED_NORMS`; eight launches with separate norms)::
+is eight launches (nine when the attention splits its keys); with :data:`FUSED_NORMS` the two RMS norms run in the
+prologue of the projection that follows them (six launches)::
 
-    gemv input_layernorm + qkv_proj (+ bias) -> rotary_cache_write (q/k norms, rope, cache write)
-    -> decode_attention -> gemv o_proj (+ residual) -> gemv post_attention_layernorm + gate_up_proj (SiLU(gate) * up)
-    -> gemv down_proj (+ residual)
+    rms_norm -> gemv qkv_proj (+ bias) -> rotary_cache_write (q/k norms, rope, cache write) -> decode_attention
+    -> gemv o_proj (+ residual) -> rms_norm -> gemv gate_up_proj (SiLU(gate) * up) -> gemv down_proj (+ residual)
 
 The same step serves the drafter's steps (T = 1, 2), the verifier's (K + 1)-token step and plain decoding; the
 prompt pass (``NativeModel.prefill``) runs the same operations in plain torch with SDPA over the prompt's slots (not
@@ -41,9 +40,9 @@ from specdec.kernels.rotary_cache_write_reference import rotary_cache_write_refe
 
 __all__ = ["FUSED_NORMS", "NativeModel", "NativeModelSlot", "StepOps"]
 
-# NOTE: a norm in the projection's prologue saves a launch (about 3 us at batch 1 on an H200) and costs every
-# program a re-read of the few KiB of input rows from L2.
-FUSED_NORMS = True
+# NOTE: a norm in the projection's prologue saves a launch but delays every program's first weight load by its
+# statistics pass; measured no faster (H200, batch 1: llama-1b 1.33 against 1.30 ms, 24x1024 0.81 against 0.81 ms).
+FUSED_NORMS = False
 
 
 @dataclass(frozen=True)
