@@ -37,6 +37,20 @@ changes of batch shape can flip near-ties), ``first_mismatch`` the mean index of
 
     python benchmarks/bench_generate.py --model llama-1b            # rows into benchmarks/results/generate.csv
     python benchmarks/bench_generate.py --model llama-3b --batches 1,8 --ks 4
+
+Step benchmark (``--step``): one decoding step of the verifier, each captured in a CUDA graph, on the HF forward
+(``hf``: the static path's ``_ModelSlot``) and on the native runner (``native``), in one process, at the shapes of
+``--step-models`` (llama-1b, llama-3b, 12x768 and 24x1024 with a 12k vocabulary) and ``--batches``. Rows go to
+``results/generate_step.csv``. Columns: ``plain_step_ms`` (one token a row), ``verify_step_ms`` (K + 1 = 5 tokens a
+row, the logits of all five), ``drafter_step_ms`` (the verifier's first ``--step-draft-layers`` layers as a
+layer-skip drafter, one token), ``cost_ratio`` = drafter over plain step, ``weight_bytes`` (every parameter a step
+reads: the head and all layers; an untied embedding is gathered, not read), ``floor_ms`` (the GEMV-chain floor: every
+``nn.Linear`` of the model as one cuBLAS call on the batch's rows, all in one CUDA graph), ``hbm_fraction`` =
+weight_bytes / plain step / copy bandwidth (``copy_gbps``, measured in the same run), ``layer_overhead_us`` = (plain
+step - drafter step) / (L - L_drafter) - one layer's bytes / copy bandwidth: the fixed cost a decoder layer adds
+beyond reading its weights.
+
+    python benchmarks/bench_generate.py --step --batches 1,8,32     # rows into benchmarks/results/generate_step.csv
 """
 
 from __future__ import annotations
@@ -54,12 +68,18 @@ import specdec
 from specdec.decoding.static import clear_engines, get_engine
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "generate.csv")
+STEP_RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "generate_step.csv")
 SHAPES = {
     "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                      intermediate_size=8192),
     "llama-3b": dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
                      intermediate_size=8192),
+    "12x768": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                   intermediate_size=3072, vocab_size=12288, tie_word_embeddings=False),
+    "24x1024": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4,
+                    intermediate_size=4096, vocab_size=12288, tie_word_embeddings=False),
 }
+STEP_KEY = ("gpu", "model", "batch", "provider")
 KEY = ("gpu", "model", "alpha_target", "batch", "num_draft_tokens", "provider")
 
 
@@ -68,8 +88,8 @@ def build_pair(name: str, draft_layers: int, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=128256, max_position_embeddings=4096, rope_theta=500000.0,
-                         tie_word_embeddings=True, attn_implementation="sdpa", **SHAPES[name])
+    shape = {"vocab_size": 128256, "tie_word_embeddings": True, **SHAPES[name]}
+    config = LlamaConfig(max_position_embeddings=4096, rope_theta=500000.0, attn_implementation="sdpa", **shape)
     with torch.device("cuda"):
         verifier = LlamaForCausalLM(config).to(torch.bfloat16).eval()
     drafter_config = LlamaConfig(**{**config.to_dict(), "num_hidden_layers": draft_layers})
@@ -284,15 +304,107 @@ def run_model(args, env: dict) -> list[dict]:
     return rows
 
 
-def merge_rows(path: str, rows: list[dict]) -> None:
+def graph_ms(step, replays: int = 20, samples: int = 7) -> float:
+    """Median milliseconds of one replay of a captured step (``samples`` timings of ``replays`` back-to-back)."""
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / replays)
+    return statistics.median(times)
+
+
+def gemv_floor_ms(verifier, batch: int) -> float:
+    """Every ``nn.Linear`` of ``verifier`` as one cuBLAS call on ``batch`` rows, all in one CUDA graph: the time a
+    step needs to read its projection weights with one kernel each."""
+    linears = [m for m in verifier.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {m.in_features: torch.randn(batch, m.in_features, device="cuda", dtype=m.weight.dtype) for m in linears}
+
+    def chain():
+        for m in linears:
+            torch.nn.functional.linear(inputs[m.in_features], m.weight, m.bias)
+
+    chain()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    return graph_ms(graph.replay)
+
+
+def step_rows(args, env: dict, name: str, copy_gbps: float) -> list[dict]:
+    """hf and native step times of one model shape at every batch size of ``args``."""
+    verifier, drafter = build_pair(name, args.step_draft_layers)
+    layers = verifier.config.num_hidden_layers
+    vocab = verifier.config.vocab_size
+    embedding = verifier.get_input_embeddings().weight
+    tied = embedding is verifier.get_output_embeddings().weight
+    weight_bytes = sum(p.numel() * p.element_size() for p in verifier.parameters() if tied or p is not embedding)
+    layer_bytes = sum(p.numel() * p.element_size() for p in verifier.model.layers[0].parameters())
+    rows = []
+    for batch in args.batches:
+        floor = gemv_floor_ms(verifier, batch)
+        context, num_drafts = 192, 4
+        ids = torch.randint(0, vocab, (batch, num_drafts + 1), device="cuda")
+        slots = context + torch.arange(num_drafts + 1, device="cuda").expand(batch, -1)
+        for provider in args.step_providers:
+            engine = get_engine(verifier, drafter, batch, 256, vocab, num_drafts, 1, torch.device("cuda"), "auto",
+                                True, False, "native" if provider == "native" else "hf")
+            kind = type(engine.verifier).__name__
+            times = {}
+            for step, model, width in (("plain", engine.verifier, 1), ("verify", engine.verifier, num_drafts + 1),
+                                       ("drafter", engine.drafter, 1)):
+                step_ids, step_slots = ids[:, :width].contiguous(), slots[:, :width].contiguous()
+
+                def call(model=model, width=width, step_ids=step_ids, step_slots=step_slots):
+                    return model.forward(step_ids, step_slots, width)
+
+                times[step] = graph_ms(engine._capture(call))
+            overhead = (times["plain"] - times["drafter"]) / (layers - args.step_draft_layers) * 1e3 \
+                - layer_bytes / copy_gbps / 1e3
+            rows.append(dict(env, model=name, batch=batch, provider=provider, runner_class=kind,
+                             plain_step_ms=round(times["plain"], 4), verify_step_ms=round(times["verify"], 4),
+                             verify_over_plain=round(times["verify"] / times["plain"], 3),
+                             drafter_step_ms=round(times["drafter"], 4), draft_layers=args.step_draft_layers,
+                             cost_ratio=round(times["drafter"] / times["plain"], 4), weight_bytes=weight_bytes,
+                             floor_ms=round(floor, 4),
+                             hbm_fraction=round(weight_bytes / (times["plain"] * 1e-3) / (copy_gbps * 1e9), 3),
+                             layer_overhead_us=round(overhead, 2), copy_gbps=round(copy_gbps, 1)))
+            print({k: rows[-1][k] for k in ("model", "batch", "provider", "plain_step_ms", "verify_step_ms",
+                                             "cost_ratio", "floor_ms", "hbm_fraction", "layer_overhead_us")},
+                  flush=True)
+            clear_engines()
+    del verifier, drafter
+    torch.cuda.empty_cache()
+    return rows
+
+
+def run_steps(args, env: dict) -> list[dict]:
+    """The step benchmark over ``args.step_models``; rows merged into ``args.step_out`` after every model."""
+    from common import measure_copy_bandwidth
+
+    copy_gbps = measure_copy_bandwidth()
+    rows = []
+    for name in args.step_models:
+        rows += step_rows(args, env, name, copy_gbps)
+        merge_rows(args.step_out, rows, STEP_KEY)
+    return rows
+
+
+def merge_rows(path: str, rows: list[dict], key: tuple[str, ...] = KEY) -> None:
     """Writes ``rows`` into the CSV at ``path``, replacing rows with the same key (GPU, model, alpha, batch, K,
     provider)."""
     old = []
     if os.path.exists(path):
         with open(path, newline="") as handle:
             old = list(csv.DictReader(handle))
-    new_keys = {tuple(str(r[k]) for k in KEY) for r in rows}
-    kept = [r for r in old if tuple(r.get(k, "") for k in KEY) not in new_keys]
+    new_keys = {tuple(str(r[k]) for k in key) for r in rows}
+    kept = [r for r in old if tuple(r.get(k, "") for k in key) not in new_keys]
     fields = list(dict.fromkeys([*rows[0], *(k for r in rows for k in r), *(k for r in kept for k in r)]))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w", newline="") as handle:
@@ -321,6 +433,12 @@ def main() -> None:
                         help="leave out the specdec *_compiled providers (their compilation)")
     parser.add_argument("--compiled-ks", default="4", help="K values of the specdec_compiled rows (default: 4)")
     parser.add_argument("--out", default=RESULTS, help=f"CSV to merge rows into (default: {RESULTS})")
+    parser.add_argument("--step", action="store_true", help="run the step benchmark instead (module docstring)")
+    parser.add_argument("--step-models", default="llama-1b,12x768,24x1024,llama-3b",
+                        help="comma-separated shapes of the step benchmark")
+    parser.add_argument("--step-providers", default="hf,native", help="comma-separated: hf, native")
+    parser.add_argument("--step-draft-layers", type=int, default=2, help="layers of the step benchmark's drafter")
+    parser.add_argument("--step-out", default=STEP_RESULTS, help=f"CSV of the step rows (default: {STEP_RESULTS})")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     args.ks = [int(k) for k in args.ks.split(",")]
@@ -334,9 +452,11 @@ def main() -> None:
 
     env = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                triton=triton.__version__, transformers=transformers.__version__)
+    args.step_models = args.step_models.split(",")
+    args.step_providers = args.step_providers.split(",")
     with torch.no_grad():
-        rows = run_model(args, env)
-    print(f"{len(rows)} rows -> {args.out}")
+        rows = run_steps(args, env) if args.step else run_model(args, env)
+    print(f"{len(rows)} rows -> {args.step_out if args.step else args.out}")
 
 
 if __name__ == "__main__":

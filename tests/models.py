@@ -13,26 +13,67 @@ def tiny_llama(vocab_size: int = 96, hidden_size: int = 32, num_layers: int = 2,
     config = LlamaConfig(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=512, initializer_range=init_std, tie_word_embeddings=False,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="eager", **overrides,
+        max_position_embeddings=512, initializer_range=init_std,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="eager",
+        **{"tie_word_embeddings": False, **overrides},
     )
     model = LlamaForCausalLM(config).eval()
     return model
 
 
-def tiny_mistral(sliding_window: int, vocab_size: int = 96, hidden_size: int = 32, seed: int = 0,
-                 init_std: float = 0.3):
+def tiny_mistral(sliding_window: int | None, vocab_size: int = 96, hidden_size: int = 32, seed: int = 0,
+                 init_std: float = 0.3, num_layers: int = 2):
     """A float32 Mistral (sliding-window attention over ``sliding_window`` positions) with random weights."""
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(seed)
     config = MistralConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=init_std,
-        sliding_window=sliding_window, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        attn_implementation="eager",
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        initializer_range=init_std, sliding_window=sliding_window, tie_word_embeddings=False, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, attn_implementation="eager",
     )
     return MistralForCausalLM(config).eval()
+
+
+def tiny_qwen2(vocab_size: int = 96, hidden_size: int = 32, num_layers: int = 2, seed: int = 0, init_std: float = 0.02,
+               **overrides: object):
+    """A float32 Qwen2 (biases on the query, key and value projections) with random weights, in eval mode."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        initializer_range=init_std, use_sliding_window=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        attn_implementation="eager", **{"tie_word_embeddings": False, **overrides},
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # (HF initialises biases to zero: random ones, so that they are tested)
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0.0, init_std)
+    return model
+
+
+def tiny_qwen3(vocab_size: int = 96, hidden_size: int = 32, num_layers: int = 2, seed: int = 0, init_std: float = 0.02,
+               **overrides: object):
+    """A float32 Qwen3 (per-head RMS norms of queries and keys) with random weights, in eval mode."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
+        max_position_embeddings=512, initializer_range=init_std, use_sliding_window=False, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, attn_implementation="eager", **{"tie_word_embeddings": False, **overrides},
+    )
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():  # (HF initialises the per-head norms to one: random ones, so that they are tested)
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                parameter.uniform_(0.5, 1.5)
+    return model
 
 
 def perturbed_copy(model: LlamaForCausalLM, noise: float, seed: int = 0) -> LlamaForCausalLM:

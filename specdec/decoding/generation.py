@@ -36,6 +36,7 @@ from specdec.compat import SpecdecWarning, pair_positions
 from specdec.decoding.draft_length import AUTO_DRAFT_LENGTHS
 from specdec.decoding.eager import DecodeResult, decode_eager
 from specdec.decoding.hf_options import resolve_options
+from specdec.decoding.native import native_problem
 from specdec.decoding.ngram import NgramDrafter, as_ngram_drafter, drafter_model
 from specdec.decoding.slot_cache import fast_path_problem
 from specdec.decoding.static import Sampling, clear_engines, decode_static, get_engine
@@ -56,7 +57,10 @@ class SpecDecodeStats:
     wall_time_s: wall-clock time of the whole call (device synchronised).
     num_draft_tokens: K (the largest K for ``"auto"``). draft_lengths: the K of every round, in order.
     path: ``"static"`` (slot caches, CUDA graphs on CUDA) or ``"eager"`` (dynamic caches).
-    fallback_reason: why the static path was not used, when it was asked for or would be the default; else None.
+    fallback_reason: why the static path was not used, when it was asked for or would be the default; with
+    ``runner="native"``, why a model did not run on the native decode runner; else None.
+    runner: ``"native"`` when every model of the call ran its decoding steps on the native decode runner (the static
+    path), else ``"hf"`` (each model's own Hugging Face forward).
     setup_time_s: graph capture, compilation and round timing paid by this call (about 0 when a previous call's are
     reused). compiled: whether ``compile=True`` took effect (only the static path compiles).
     """
@@ -75,6 +79,7 @@ class SpecDecodeStats:
     fallback_reason: str | None = None
     setup_time_s: float = 0.0
     compiled: bool = False
+    runner: str = "hf"
 
     @property
     def acceptance_rate(self) -> torch.Tensor:
@@ -133,6 +138,7 @@ class SpecDecodeStats:
             "compiled": self.compiled,
             "wall_time_s": self.wall_time_s,
             "path": self.path,
+            "runner": self.runner,
             "fallback_reason": self.fallback_reason,
             "setup_time_s": self.setup_time_s,
             "mean_draft_length": sum(self.draft_lengths) / max(len(self.draft_lengths), 1),
@@ -199,6 +205,7 @@ def generate(
     repetition_penalty: float | None = None,
     num_return_sequences: int | None = None,
     output_logprobs: bool = False,
+    runner: str = "auto",
     **hf_options: Any,
 ) -> GenerateOutput:
     """Speculative decoding whose output follows ``verifier`` exactly (greedy or sampled); a drop-in for
@@ -276,6 +283,12 @@ def generate(
     num_return_sequences : int, optional
         n >= 1 continuations of every prompt (rows ``b * n .. b * n + n - 1``), each with its own random stream when
         sampling; greedy gives n equal copies.
+    runner : {"auto", "native", "hf"}
+        What runs a model's decoding steps on the static path. ``"native"``: the native decode runner (Llama,
+        Mistral, Qwen2, Qwen3: specdec's kernels over the user's weights, a step costing about its weight reads; it
+        implies the static path, also on the CPU); a model it cannot run keeps its HF forward and
+        ``stats.fallback_reason`` says why. ``"auto"`` (default): native for every model it can run. ``"hf"``: each
+        model's own forward. ``stats.runner`` reports the runner used. Models on the native runner are not compiled.
     output_logprobs : bool
         Also return ``logprobs`` [B * n, generated] float32: the log-probability of each new token under the
         verifier's law it was drawn from, ``log_softmax(processed logits)`` (greedy: processors, temperature 1).
@@ -359,6 +372,10 @@ def generate(
             raise ValueError(f"streamer streams one sequence: input_ids has {batch} row(s) x num_return_sequences="
                              f"{copies} (as transformers' TextStreamer, which supports batch size 1 only)")
     stop = StopStringChecker(tokenizer, options.stop_strings) if options.stop_strings else None
+    if runner not in ("auto", "native", "hf"):
+        raise ValueError(f"runner must be 'auto', 'native' or 'hf', got {runner!r}")
+    if runner == "native" and static is False:
+        raise ValueError("runner='native' runs on the static path: it cannot be combined with static=False")
     # The eager path's caches keep one slot layout for the whole batch: each round appends K + 1 slots and rows that
     # accept fewer drafts leave masked slots behind. A sliding window counts slots, not tokens (and transformers'
     # sliding cache layers cannot roll back past the window), so the window must hold every slot the call can create.
@@ -411,7 +428,7 @@ def generate(
 
     start_time = time.perf_counter()
     bar = tqdm(total=batch * max_new_tokens, desc="specdec.generate", unit="tok", disable=not progress)
-    use_static = device.type == "cuda" if static is None else static
+    use_static = (device.type == "cuda" or runner == "native") if static is None else static
     reason = _static_problem(verifier, drafter_facts) if use_static else None
     result = None
     try:
@@ -421,7 +438,8 @@ def generate(
             try:
                 result = _decode_static(verifier, drafter, input_ids, attention_mask, max_new_tokens, draft_lengths,
                                         temperature, sampling, vocab, eos_ids, pad, backend, row_seeds, draft_seeds,
-                                        bar.update, compile, extras)
+                                        bar.update, compile, extras,
+                                        "hf" if runner == "hf" else "native")
             except _CaptureError as error:
                 reason = str(error)
         if result is None:
@@ -438,6 +456,10 @@ def generate(
         torch.cuda.synchronize(device)
     wall_time = time.perf_counter() - start_time
     path = "static" if use_static and reason is None else "eager"
+    native_reason = _native_problem(verifier, drafter if max_drafts else None) if runner != "hf" else "hf"
+    used_runner = "native" if path == "static" and native_reason is None else "hf"
+    if runner == "native" and reason is None and native_reason is not None:
+        reason = f"native runner not used: {native_reason}"
     if compile and path == "eager":
         warnings.warn("compile=True has no effect on the eager path (only the static path compiles its decoding "
                       f"step){': ' + reason if reason else ''}", SpecdecWarning, stacklevel=3)
@@ -451,7 +473,8 @@ def generate(
         accepted_per_position=result.accepted_per_position[:, :max(max_drafts, 1)].cpu(),
         attempted_per_position=result.attempted_per_position[:, :max(max_drafts, 1)].cpu(),
         wall_time_s=wall_time, num_draft_tokens=max_drafts, draft_lengths=result.draft_lengths,
-        path=path, fallback_reason=reason, setup_time_s=result.setup_seconds, compiled=compile and path == "static",
+        path=path, fallback_reason=reason, setup_time_s=result.setup_seconds,
+        compiled=compile and path == "static" and (runner == "hf" or native_reason is not None), runner=used_runner,
     )
     logprobs = None if result.logprobs is None else result.logprobs[:, :max_generated]
     return GenerateOutput(sequences=sequences, stats=stats, logprobs=logprobs)
@@ -490,9 +513,19 @@ def _static_problem(verifier: torch.nn.Module, drafter: torch.nn.Module) -> str 
     return None
 
 
+def _native_problem(verifier: torch.nn.Module, drafter: torch.nn.Module | NgramDrafter | None) -> str | None:
+    """Why the native runner cannot run this pair (the first model's reason, named), or None. An n-gram drafter
+    (no decoder) and a plain call (no drafter) leave the verifier alone."""
+    for name, model in (("verifier", verifier), ("drafter", drafter)):
+        problem = None if model is None or isinstance(model, NgramDrafter) else native_problem(model)
+        if problem is not None:
+            return f"{name}: {problem}"
+    return None
+
+
 def _decode_static(verifier, drafter, input_ids, attention_mask, max_new_tokens, draft_lengths, temperature,
                    sampling, vocab, eos_ids, pad, backend, row_seeds, draft_seeds, on_emit, compile_models,
-                   extras) -> DecodeResult:
+                   extras, runner) -> DecodeResult:
     """Runs the static path; a failure while building or capturing its rounds becomes a :class:`_CaptureError`."""
     batch, prompt_len = input_ids.shape
     max_drafts = max(draft_lengths)
@@ -500,7 +533,7 @@ def _decode_static(verifier, drafter, input_ids, attention_mask, max_new_tokens,
     setup_start = time.perf_counter()
     try:
         engine = get_engine(verifier, drafter, batch, prompt_len + max_new_tokens + max_drafts + 1, vocab,
-                            max_drafts, len(eos_ids), device, backend, device.type == "cuda", compile_models)
+                            max_drafts, len(eos_ids), device, backend, device.type == "cuda", compile_models, runner)
         controller = engine.prepare(draft_lengths, sampling)
     except (RuntimeError, TypeError, ValueError, AttributeError, NotImplementedError) as error:
         clear_engines(verifier)

@@ -37,6 +37,7 @@ from specdec._models import cache_argument
 from specdec._validation import use_triton
 from specdec.decoding.draft_length import DraftLengthController
 from specdec.decoding.eager import DecodeResult
+from specdec.decoding.native import NativeModelSlot, native_problem
 from specdec.decoding.ngram import NgramDrafter, NgramSlot
 from specdec.decoding.processors import TokenProcessors, draft_contexts, mark_seen, token_logprobs
 from specdec.decoding.sampling import filter_logits_unchecked, rejection_sample_unchecked
@@ -107,10 +108,15 @@ class _ModelSlot:
 
 
 def _slot(model: torch.nn.Module | NgramDrafter, batch: int, capacity: int, vocab: int, key_ok: torch.Tensor,
-          slot_positions: torch.Tensor, compile_model: bool) -> _ModelSlot | NgramSlot:
-    """The slot that serves ``model`` in an engine (the one place a slot class is chosen)."""
+          slot_positions: torch.Tensor, compile_model: bool, runner: str = "hf",
+          use_kernels: bool = False) -> _ModelSlot | NgramSlot | NativeModelSlot:
+    """The slot that serves ``model`` in an engine (the one place a slot class is chosen): with ``runner="native"``
+    the native decode runner for every model :func:`native_problem` accepts (``use_kernels``: its Triton kernels,
+    else their torch references)."""
     if isinstance(model, NgramDrafter):
         return NgramSlot(model, batch, capacity, vocab, key_ok, slot_positions)
+    if runner == "native" and native_problem(model) is None:
+        return NativeModelSlot(model, batch, capacity, vocab, key_ok, slot_positions, use_kernels=use_kernels)
     return _ModelSlot(model, batch, capacity, vocab, key_ok, slot_positions, compile_model)
 
 
@@ -136,20 +142,24 @@ class StaticEngine:
     """Caches, device state and captured rounds for one (verifier, drafter, batch, capacity) combination.
 
     ``drafter`` is None for plain decoding (``max_drafts == 0``): no drafter cache, no drafter call.
+    ``runner``: ``"native"`` runs every model :func:`native_problem` accepts on the native decode runner
+    (:class:`NativeModelSlot`), the others through their HF forward; ``"hf"`` runs both through their HF forward.
     """
 
     def __init__(self, verifier: torch.nn.Module, drafter: torch.nn.Module | NgramDrafter | None, batch: int,
                  capacity: int,
                  vocab: int, max_drafts: int, num_eos: int, device: torch.device, backend: str, use_graphs: bool,
-                 compile_models: bool = False):
+                 compile_models: bool = False, runner: str = "hf"):
         self.device, self.backend, self.use_graphs = device, backend, use_graphs
         self.compile_models = compile_models
         zeros = lambda *shape, dtype=torch.int64: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         self.key_ok = torch.ones((batch, capacity), dtype=torch.bool, device=device)  # [B, S] False at padding
         self.slot_positions = zeros(batch, capacity)  # [B, S] rope position of every slot
-        self.verifier = _slot(verifier, batch, capacity, vocab, self.key_ok, self.slot_positions, compile_models)
+        self.verifier = _slot(verifier, batch, capacity, vocab, self.key_ok, self.slot_positions, compile_models,
+                              runner, use_triton(backend, device))
         self.drafter = None if drafter is None else _slot(drafter, batch, capacity, vocab, self.key_ok,
-                                                          self.slot_positions, compile_models)
+                                                          self.slot_positions, compile_models, runner,
+                                                          use_triton(backend, device))
         self.seq = zeros(batch, capacity)  # [B, S] int64 padded prompt, then the generated tokens
         self.logprobs = torch.zeros((batch, capacity), dtype=torch.float32, device=device)  # [B, S] per emitted token
         self.processors = TokenProcessors(batch, vocab, device)
@@ -180,7 +190,7 @@ class StaticEngine:
         for model_slot in self.model_slots():
             model_slot.forward(ids, slots, 1, eager=True)
 
-    def model_slots(self) -> list[_ModelSlot]:
+    def model_slots(self) -> list[_ModelSlot | NgramSlot | NativeModelSlot]:
         return [self.verifier] if self.drafter is None else [self.verifier, self.drafter]
 
     def serves(self, verifier: torch.nn.Module, drafter: torch.nn.Module | NgramDrafter | None) -> bool:
@@ -471,20 +481,20 @@ def capture_facts(model: torch.nn.Module | NgramDrafter) -> tuple:
 def get_engine(verifier: torch.nn.Module, drafter: torch.nn.Module | NgramDrafter | None, batch: int,
                needed_slots: int, vocab: int,
                max_drafts: int, num_eos: int, device: torch.device, backend: str, use_graphs: bool,
-               compile_models: bool = False) -> StaticEngine:
+               compile_models: bool = False, runner: str = "hf") -> StaticEngine:
     """A cached engine for these models and shapes, or a new one (kept, at most :data:`MAX_ENGINES` per verifier).
 
     The key is (the drafter object, :func:`capture_facts` of both models, batch, capacity bucket, vocabulary, largest
-    K, eos slots, device, backend, graphs, compile); plain decoding (``max_drafts == 0``) uses no drafter. An engine
-    is dropped when its drafter is freed, and a hit is checked to serve these very objects, so a new object that
-    reuses a freed one's id never meets a dead engine.
+    K, eos slots, device, backend, graphs, compile, runner); plain decoding (``max_drafts == 0``) uses no drafter. An
+    engine is dropped when its drafter is freed, and a hit is checked to serve these very objects, so a new object
+    that reuses a freed one's id never meets a dead engine.
     """
     if max_drafts == 0:
         drafter = None
     capacity = -(-needed_slots // SLOT_BUCKET) * SLOT_BUCKET
     eos_slots = 1 << max(num_eos - 1, 0).bit_length()
     key = (id(drafter), capture_facts(verifier), None if drafter is None else capture_facts(drafter), batch, capacity,
-           vocab, max_drafts, eos_slots, str(device), backend, use_graphs, compile_models)
+           vocab, max_drafts, eos_slots, str(device), backend, use_graphs, compile_models, runner)
     engines = _ENGINES.setdefault(verifier, OrderedDict())
     if key in engines and engines[key].serves(verifier, drafter):
         engines.move_to_end(key)
@@ -493,7 +503,7 @@ def get_engine(verifier: torch.nn.Module, drafter: torch.nn.Module | NgramDrafte
     while len(engines) >= MAX_ENGINES:
         engines.popitem(last=False)
     engine = StaticEngine(verifier, drafter, batch, capacity, vocab, max_drafts, eos_slots, device, backend,
-                          use_graphs, compile_models)
+                          use_graphs, compile_models, runner)
     engines[key] = engine
     if drafter is not None:  # an engine whose drafter is freed can never match again: drop it then
         weakref.finalize(drafter, _drop_engine, weakref.ref(verifier), key)

@@ -275,8 +275,8 @@ def test_gpu_compiled_static_path_is_lossless(verifier, drafters):
     expected = _reference(verifier, input_ids, attention_mask, 24, eos_token_id=[])
     for num_draft_tokens in (3, "auto"):
         out = specdec.generate(verifier, drafters["close"], input_ids, attention_mask, max_new_tokens=24,
-                               num_draft_tokens=num_draft_tokens, pad_token_id=0, compile=True)
-        assert out.stats.path == "static" and out.stats.fallback_reason is None
+                               num_draft_tokens=num_draft_tokens, pad_token_id=0, compile=True, runner="hf")
+        assert out.stats.path == "static" and out.stats.fallback_reason is None and out.stats.compiled
         assert torch.equal(out.sequences, expected)
 
 

@@ -80,7 +80,8 @@ def test_gpu_cache_capacity_edge_with_graphs_and_compile(verifier, drafter, num_
         for max_new_tokens in (edge - 1, edge, edge + 1):
             expected = _reference(verifier, input_ids, attention_mask, max_new_tokens)
             out = specdec.generate(verifier, drafter, input_ids, attention_mask, max_new_tokens=max_new_tokens,
-                                   num_draft_tokens=num_draft_tokens, pad_token_id=0, compile=compile_models)
+                                   num_draft_tokens=num_draft_tokens, pad_token_id=0, compile=compile_models,
+                                   runner="hf")  # (compile fuses HF forward calls; native steps are kernels)
             torch.cuda.synchronize()
             assert out.stats.path == "static" and out.stats.compiled == compile_models
             assert torch.equal(out.sequences, expected), (compile_models, max_new_tokens)
@@ -231,11 +232,13 @@ def test_the_fused_round_commit_decodes_as_its_reference(verifier, drafter):
     # interpreter on the CPU; greedy must still equal transformers, and sampling must equal the torch backend
     input_ids, attention_mask = _prompts([7, 3, 6], seed=47)
     expected = _reference(verifier, input_ids, attention_mask, 10)
+    # (runner="hf": the native runner's kernels in the interpreter are tested in tests/native)
     out = specdec.generate(verifier, drafter, input_ids, attention_mask, max_new_tokens=10, num_draft_tokens=3,
-                           pad_token_id=0, static=True, backend="triton")
+                           pad_token_id=0, static=True, backend="triton", runner="hf")
     assert torch.equal(out.sequences, expected)
     runs = [specdec.generate(verifier, drafter, input_ids, attention_mask, max_new_tokens=10, num_draft_tokens=3,
-                             temperature=1.0, seed=5, static=True, backend=backend) for backend in ("triton", "torch")]
+                             temperature=1.0, seed=5, static=True, backend=backend, runner="hf")
+            for backend in ("triton", "torch")]
     assert torch.equal(runs[0].sequences, runs[1].sequences)
     for name in ("accepted", "drafted", "verifier_calls", "drafter_calls", "accepted_per_position"):
         assert torch.equal(getattr(runs[0].stats, name), getattr(runs[1].stats, name)), name
