@@ -68,7 +68,8 @@ def _combine_width(splits: int) -> int:
 def rejection_sample_triton(target_logits: torch.Tensor, draft_logits: torch.Tensor, draft_tokens: torch.Tensor,
                             seeds: torch.Tensor, offsets: torch.Tensor, temperature: float, *,
                             greedy_mask: torch.Tensor | None = None, num_draft_tokens: torch.Tensor | None = None,
-                            compute_scores: bool = False, plan: LaunchPlan | None = None,
+                            compute_scores: bool = False, verification: str = "token",
+                            plan: LaunchPlan | None = None,
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Fused rejection sampling from logits; the contract and results of ``rejection_sample_reference``.
 
@@ -94,10 +95,13 @@ def rejection_sample_triton(target_logits: torch.Tensor, draft_logits: torch.Ten
     compute_scores : bool
         Also return ``log p(draft)`` and ``alpha = sum_x min(p, q)`` per position (at ``T = 1`` for greedy rows);
         one more read of the logits.
+    verification : str
+        ``"token"`` or ``"block"``: the drafts of a sampled row decided jointly (block verification; greedy rows
+        keep the arg-max rule), as ``rejection_sample_reference(..., verification=)``.
     plan : LaunchPlan, optional
         The launch plan; default :func:`plan_launch` of the call's shape, dtype and device. Results do not depend
-        on it; what a call cannot use (live skip or no bonus statistics with greedy rows, stages with scores) is
-        turned off.
+        on it; what a call cannot use (live skip or no bonus statistics with greedy rows, stages with scores, stages
+        or live skip under block verification) is turned off, and its ``verification`` set to the call's.
 
     Returns
     -------
@@ -123,9 +127,11 @@ def rejection_sample_triton(target_logits: torch.Tensor, draft_logits: torch.Ten
     greedy_rows = all_greedy or greedy_mask is not None
     if plan is None:
         plan = plan_launch(batch, num_drafts, vocab, target_logits.dtype, device, greedy_rows=greedy_rows,
-                           scores=compute_scores)
+                           scores=compute_scores, verification=verification)
     else:
-        plan = plan.restricted(batch=batch, num_drafts=num_drafts, greedy_rows=greedy_rows, scores=compute_scores)
+        plan = plan.restricted(batch=batch, num_drafts=num_drafts, greedy_rows=greedy_rows, scores=compute_scores,
+                               verification=verification)
+    block = plan.verification == "block"
 
     target = target_logits.contiguous()
     draft = draft_logits.contiguous()
@@ -149,7 +155,7 @@ def rejection_sample_triton(target_logits: torch.Tensor, draft_logits: torch.Ten
     keep_evict, rest_evict = ("evict_last", "evict_first") if plan.l2_keep else ("", "")
     stats = torch.empty((pairs, splits, 4), dtype=torch.float32, device=device)
     argmax = torch.empty((pairs, splits), dtype=torch.int32, device=device)
-    race = torch.empty((batch, splits2, 6), dtype=torch.float32, device=device)
+    race = torch.empty((batch, splits2, num_positions if block else 1, 6), dtype=torch.float32, device=device)
     counter = torch.empty((batch,), dtype=torch.int32, device=device)
     if compute_scores:
         draft_logprob = torch.empty((batch, num_drafts), dtype=torch.float32, device=device)
@@ -180,7 +186,8 @@ def rejection_sample_triton(target_logits: torch.Tensor, draft_logits: torch.Ten
             COMPUTE_SCORES=compute_scores, KP2=kp2, JP2=jp2, SP2=_combine_width(splits), SP2B=_combine_width(splits2),
             TILES=plan.race_tiles, RACE_TILE=RACE_TILE, TILE_BASE=TILE_INDEX_BASE,
             SINGLE=chunk2 == plan.race_tiles * RACE_TILE, MASS_EPS=RESIDUAL_MASS_EPS, PDL_WAIT=plan.pdl,
-            FTZ=plan.fast_math, FAST_LOG=plan.fast_math, RACE_EVICT=rest_evict, num_warps=plan.race_warps,
+            FTZ=plan.fast_math, FAST_LOG=plan.fast_math, RACE_EVICT=rest_evict, BLOCK_VERIFY=block,
+            num_warps=plan.race_warps,
             **launch, **flags,
         )
     if not compute_scores:
