@@ -53,7 +53,7 @@ import triton
 from ._device import launching_on
 from .rejection_sampling_kernels import _race_kernel, _stats_kernel
 from .rejection_sampling_plan import LaunchPlan, plan_launch, statistics_launches, vocabulary_chunk
-from .rejection_sampling_reference import RACE_TILE, RESIDUAL_MASS_EPS, TILE_INDEX_BASE
+from .rejection_sampling_reference import BLOCK_CERTAIN_EPS, RACE_TILE, RESIDUAL_MASS_EPS, TILE_INDEX_BASE
 
 __all__ = ["LaunchPlan", "plan_launch", "rejection_sample_triton"]
 
@@ -187,6 +187,7 @@ def rejection_sample_triton(target_logits: torch.Tensor, draft_logits: torch.Ten
             TILES=plan.race_tiles, RACE_TILE=RACE_TILE, TILE_BASE=TILE_INDEX_BASE,
             SINGLE=chunk2 == plan.race_tiles * RACE_TILE, MASS_EPS=RESIDUAL_MASS_EPS, PDL_WAIT=plan.pdl,
             FTZ=plan.fast_math, FAST_LOG=plan.fast_math, RACE_EVICT=rest_evict, BLOCK_VERIFY=block,
+            CERTAIN_EPS=BLOCK_CERTAIN_EPS,
             num_warps=plan.race_warps,
             **launch, **flags,
         )

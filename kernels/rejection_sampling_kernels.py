@@ -556,7 +556,8 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
                  COMPUTE_SCORES: tl.constexpr, KP2: tl.constexpr, JP2: tl.constexpr, SP2: tl.constexpr,
                  SP2B: tl.constexpr, TILES: tl.constexpr, RACE_TILE: tl.constexpr, TILE_BASE: tl.constexpr,
                  SINGLE: tl.constexpr, MASS_EPS: tl.constexpr, PDL_WAIT: tl.constexpr, FTZ: tl.constexpr,
-                 FAST_LOG: tl.constexpr, RACE_EVICT: tl.constexpr, BLOCK_VERIFY: tl.constexpr):
+                 FAST_LOG: tl.constexpr, RACE_EVICT: tl.constexpr, BLOCK_VERIFY: tl.constexpr,
+                 CERTAIN_EPS: tl.constexpr):
     """Accept tests (vectorised over positions), stop position, race over one chunk of the stop row. Grid (B, S2).
 
     race: [B, S2, R, 6] fp32 per program and raced row (best residual tile score, its tile, best p tile score, its
@@ -613,8 +614,8 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
     hi = tl.where(g == 0, tl.minimum(lo + chunk, V), lo)
     if BLOCK_VERIFY:
         R = K + 1
-        log_w, eta = _block_log_weights(lp, lq, lt, real, u, js, JP2)
-        need = tl.where(g != 0, at_stop, _block_rows(log_w, eta, n_b, js))
+        log_w, eta = _block_log_weights(lp, lq, lt, t_x, d_x, delta, real, u, js, JP2)
+        need = tl.where(g != 0, at_stop, _block_rows(log_w, eta, n_b, js, CERTAIN_EPS))
         for j in range(0, K + 1):
             sel = js == j
             if tl.sum(tl.where(sel & need, 1, 0), axis=0) > 0:
@@ -656,7 +657,7 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
         slot = stop * 0
         if BLOCK_VERIFY:
             if g == 0:
-                stop = _block_stop(race_ptr, b, K, S2, log_w, eta, need, n_b, js, MASS_EPS, SP2B)
+                stop = _block_stop(race_ptr, b, K, S2, log_w, eta, need, n_b, js, MASS_EPS, CERTAIN_EPS, SP2B)
             slot = stop
         _finalize_row(target_ptr, draft_tokens_ptr, race_ptr, tokens_ptr, num_accepted_ptr, alpha_part_ptr,
                       alpha_ptr, scale, seed, off, b, stop, slot, greedy_next, g, stop < n_b, V, K, S2, R, MASS_EPS,

@@ -18,7 +18,7 @@ import torch
 import triton
 
 from ._device import DeviceFacts, device_facts
-from .rejection_sampling_reference import RACE_TILE
+from .rejection_sampling_reference import RACE_TILE, VERIFICATIONS
 
 __all__ = ["LaunchPlan", "grid_splits", "logit_bytes", "plan_launch", "statistics_launches", "vocabulary_chunk"]
 
@@ -34,7 +34,6 @@ LIVE_SKIP_STATS_PROGRAMS = (16, 32)  # statistics programs per SM under live ski
 STAGES_BYTES = 200e6  # logits from which the statistics run in two launches (K >= 6)
 STAGES_FP32_BYTES = 100e6  # ... fp32 logits with B < LIVE_SKIP_FP32_BATCH: from this size (K >= 4)
 L2_KEEP_BYTES = 32 << 20  # position-0 rows (target and draft) kept in L2 up to this size
-VERIFICATIONS = ("token", "block")
 
 
 @dataclass(frozen=True)

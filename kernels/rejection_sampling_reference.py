@@ -28,6 +28,9 @@ import torch
 
 from .rng import ACCEPT_INDEX, exponential_from_keys, stream_keys, uniform_from_keys
 
+VERIFICATIONS = ("token", "block")
+"""The verification schemes: token-wise (each draft on its own) and block verification (the drafts jointly)."""
+
 RACE_TILE = 256
 """Vocabulary ids per tile of the two-level race (a fixed part of the sampler's definition, not a launch
 parameter: results never depend on how a kernel splits the vocabulary)."""
@@ -52,6 +55,18 @@ Losslessness cost: the emitted distribution is ``min(p, q) + m * r`` with ``m`` 
 normalised residual; replacing ``r`` by ``p`` moves it by ``m * TV(r, p) <= m``. So the output deviates from ``p``
 by at most ``RESIDUAL_MASS_EPS = 1e-6`` in total variation, and only at positions whose rejection probability was
 itself ``<= 1e-6``; everywhere else the sampler is exactly lossless.
+"""
+
+
+BLOCK_CERTAIN_EPS = 1e-6
+"""Block verification treats a position whose log-weight ``a_i = log P_i`` is at least ``-BLOCK_CERTAIN_EPS`` as
+certain (``P_i = 1``: the stop is at least ``i`` once the scan reaches it).
+
+Why: the test ``eta_i <= W_i / (W_i + 1 - P_i)`` is 0 / 0 where ``P_i`` is 1 up to rounding and ``W_i`` is rounding
+noise (``q == p`` up to rounding), so two summation orders of the normalisers could stop at different positions.
+Cost: the scan reaches a position with probability at most ``1 - P_i + W_i`` given the drafts before it and then
+fails with probability ``(1 - P_i) / (1 - P_i + W_i)``, so deciding "stop here" moves at most ``1 - P_i <= 1e-6`` of
+probability per position: a deviation of at most 1e-6 in total variation, as :data:`RESIDUAL_MASS_EPS`.
 """
 
 
@@ -147,11 +162,23 @@ def tile_sums(weights: torch.Tensor) -> torch.Tensor:
     return padded.view(*weights.shape[:-1], num_tiles, RACE_TILE).sum(dim=-1)
 
 
+def _log_ratio(target: torch.Tensor, draft: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[B, K] float32 ``log p(x) - log q(x)`` at ``ids`` [B, K, 1] of scaled logits [B, K, V], as
+    ``(t_x - d_x) + ((m_d - m_t) + log(S_d / S_t))`` (see :func:`block_log_weights`)."""
+    m_t = target.max(dim=-1).values
+    m_d = draft.max(dim=-1).values
+    s_t = torch.exp(target - m_t[..., None]).sum(dim=-1)
+    s_d = torch.exp(draft - m_d[..., None]).sum(dim=-1)
+    return (target.gather(-1, ids) - draft.gather(-1, ids)).squeeze(-1) + ((m_d - m_t) + torch.log(s_d / s_t))
+
+
 def block_log_weights(log_ratio: torch.Tensor) -> torch.Tensor:
     """[B, K+1] float32 block weights ``a_i = log P_i``: ``a_0 = 0``, ``a_{i+1} = min(0, a_i + log_ratio[:, i])``.
 
     log_ratio: [B, K] float32 ``log p_i(x_i) - log q_i(x_i)`` of the drafts, ``-inf`` where draft i cannot be kept
-    (past the row's drafts, ``q_i(x_i) = 0``, ``p_i(x_i) = 0``), never NaN. ``P_i = min(1, P_{i-1} p/q)`` is the
+    (past the row's drafts, ``q_i(x_i) = 0``, ``p_i(x_i) = 0``), never NaN; computed as
+    ``(t_x - d_x) + ((m_d - m_t) + log(S_d / S_t))`` (``= -z`` of :func:`residual_weights`), so that an exact
+    logit shift gives exactly 0. ``P_i = min(1, P_{i-1} p/q)`` is the
     running product of the ratios divided by its running maximum; the kernel runs the same recurrence in the same
     order (fp32 add, then min), so the two agree bit for bit on equal ratios.
     """
@@ -172,21 +199,21 @@ def block_stop(log_weights: torch.Tensor, accept_uniforms: torch.Tensor, residua
     position ``i >= 1`` is ``accept_uniforms[:, i - 1]`` (the token-wise accept uniform of draft ``i - 1``);
     residual_mass: [B, K] float32 ``W_i = sum_x max(0, P_i p_i(x) - q_i(x))``; counts: [B] int64 ``n_b``.
 
-    ``tau = max {i in 1..n_b : success_i}`` (0 when none), with ``success_i``: ``log eta_i <= a_i`` and (``a_i = 0``
-    or ``i = n_b`` or ``eta_i (W_i + 1 - P_i) <= W_i``), i.e. ``eta_i <= h_i = W_i / (W_i + 1 - P_i)`` for
-    ``i < n_b`` and ``eta_i <= P_i`` at ``i = n_b``. Masses at or below :data:`RESIDUAL_MASS_EPS` count as 0. The
-    first test is implied by the second (``h_i <= P_i``) and lets the kernel read only the rows it can need.
+    ``tau = max {i in 1..n_b : success_i}`` (0 when none), with ``success_i``: ``log eta_i <= a_i`` and (``i = n_b``
+    or ``a_i >= -BLOCK_CERTAIN_EPS`` or ``eta_i (W_i + 1 - P_i) <= W_i``), i.e. ``eta_i <= h_i = W_i / (W_i + 1 -
+    P_i)`` for ``i < n_b`` and ``eta_i <= P_i`` at ``i = n_b``. Masses at or below :data:`RESIDUAL_MASS_EPS` count as
+    0, weights within :data:`BLOCK_CERTAIN_EPS` of 1 as 1. The first test is implied by the second (``h_i <= P_i``)
+    and lets the kernel read only the rows it can need.
     """
     batch, num_positions = log_weights.shape
     positions = torch.arange(num_positions, device=log_weights.device)
     eta = torch.cat([torch.ones_like(accept_uniforms[:, :1]), accept_uniforms], dim=1)
     mass = torch.cat([residual_mass, torch.zeros_like(residual_mass[:, :1])], dim=1)
     mass = torch.where(mass > RESIDUAL_MASS_EPS, mass, torch.zeros_like(mass))
-    keep = torch.where(log_weights == 0, torch.ones_like(log_weights), torch.exp(log_weights))
     inside = (positions[None, :] >= 1) & (positions[None, :] <= counts[:, None])
     candidate = inside & (torch.log(eta) <= log_weights)
-    certain = (log_weights == 0) | (positions[None, :] == counts[:, None])
-    success = candidate & (certain | (eta * (mass + (1.0 - keep)) <= mass))
+    certain = (log_weights >= -BLOCK_CERTAIN_EPS) | (positions[None, :] == counts[:, None])
+    success = candidate & (certain | (eta * (mass + (1.0 - torch.exp(log_weights))) <= mass))
     return torch.where(success, positions[None, :], torch.zeros_like(positions[None, :])).amax(dim=1)
 
 
@@ -262,7 +289,8 @@ def rejection_sample_reference(
     log_weight = block_mass = None
     if verification == "block":
         keepable = is_real & (lq_draft > float("-inf")) & (lp_draft > float("-inf"))
-        log_weights = block_log_weights(torch.where(keepable, lp_draft - lq_draft, float("-inf")))
+        log_weights = block_log_weights(torch.where(keepable, _log_ratio(target[:, :num_drafts], draft, safe_drafts),
+                                                    float("-inf")))
         weighted = residual_weights(target[:, :num_drafts], draft, target_logprob[:, :num_drafts].exp(),
                                     log_weights[:, :num_drafts])
         masses = tile_sums(weighted).sum(dim=-1)  # [B, K] W_i

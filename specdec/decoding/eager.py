@@ -119,7 +119,7 @@ def decode_eager(verifier: torch.nn.Module, drafter: torch.nn.Module, input_ids:
                  attention_mask: torch.Tensor, *, max_new_tokens: int, draft_lengths: tuple[int, ...], greedy: bool,
                  temperature: float, top_k: int, top_p: float, vocab: int, eos_ids: list[int], pad: int,
                  backend: str, row_seeds: torch.Tensor, draft_seeds: torch.Tensor,
-                 on_emit: Callable[[int], None]) -> DecodeResult:
+                 on_emit: Callable[[int], None], verification: str = "token") -> DecodeResult:
     """Speculative decoding with dynamic caches; ``draft_lengths`` is one K or the set "auto" chooses from."""
     device = input_ids.device
     batch, prompt_len = input_ids.shape
@@ -210,7 +210,7 @@ def decode_eager(verifier: torch.nn.Module, drafter: torch.nn.Module, input_ids:
         if num_drafts:
             result = rejection_sample_unchecked(
                 sampler_target_logits, draft_logits, draft_tokens, 0.0 if greedy else 1.0, backend, row_seeds,
-                stream_pos,
+                stream_pos, verification=verification,
             )
             num_accepted, new_tokens = result.num_accepted, result.tokens
         else:

@@ -30,6 +30,7 @@ from specdec._validation import (
     check_int_range,
     check_temperature,
     check_tensor,
+    check_verification,
     eos_id_list,
 )
 from specdec.compat import SpecdecWarning, pair_positions
@@ -185,6 +186,7 @@ def generate(
     progress: bool = False,
     static: bool | None = None,
     compile: bool = False,
+    verification: str = "token",
 ) -> GenerateOutput:
     """Speculative decoding whose output follows ``verifier`` exactly (greedy or sampled).
 
@@ -217,6 +219,10 @@ def generate(
             captured: decoding steps run several times faster (fewer, fused kernels), at a one-time compilation
             cost of tens of seconds per model pair and batch size (reported in ``stats.setup_time_s``). The eager
             path does not compile: there ``compile=True`` warns and ``stats.compiled`` is False.
+        verification: how sampled rounds verify their drafts (:func:`specdec.rejection_sample`): "token" (default;
+            each draft accepted with probability ``min(1, p/q)`` until the first rejection) or "block" (the drafts
+            decided jointly, Sun et al., ICLR 2025: equally lossless, never fewer accepted drafts in expectation).
+            Greedy decoding (``temperature=0``) is the arg-max rule under both.
 
     Returns:
         :class:`GenerateOutput` with ``sequences`` [B, L + max generated] and ``stats``.
@@ -280,6 +286,7 @@ def generate(
                 f"{max_drafts + 1} = {most_slots} below the window (shorten the prompt, max_new_tokens or "
                 "num_draft_tokens)")
     check_backend(backend)
+    check_verification(verification)
     verifier_vocab, drafter_vocab = model_vocab_size(verifier, "verifier"), model_vocab_size(drafter, "drafter")
     if vocab_size is None:
         if verifier_vocab != drafter_vocab:
@@ -314,14 +321,15 @@ def generate(
         try:
             result = _decode_static(verifier, drafter, input_ids, attention_mask, max_new_tokens, draft_lengths,
                                     temperature, top_k, top_p, vocab, eos_ids, pad, backend, row_seeds, draft_seeds,
-                                    bar.update, compile)
+                                    bar.update, compile, verification)
         except _CaptureError as error:
             reason = str(error)
     if result is None:
         result = decode_eager(verifier, drafter, input_ids, attention_mask, max_new_tokens=max_new_tokens,
                               draft_lengths=draft_lengths, greedy=temperature == 0, temperature=temperature,
                               top_k=top_k, top_p=top_p, vocab=vocab, eos_ids=eos_ids, pad=pad, backend=backend,
-                              row_seeds=row_seeds, draft_seeds=draft_seeds, on_emit=bar.update)
+                              row_seeds=row_seeds, draft_seeds=draft_seeds, on_emit=bar.update,
+                              verification=verification)
     bar.close()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -380,12 +388,12 @@ def _static_problem(verifier: torch.nn.Module, drafter: torch.nn.Module) -> str 
 
 def _decode_static(verifier, drafter, input_ids, attention_mask, max_new_tokens, draft_lengths, temperature, top_k,
                    top_p, vocab, eos_ids, pad, backend, row_seeds, draft_seeds, on_emit,
-                   compile_models) -> DecodeResult:
+                   compile_models, verification) -> DecodeResult:
     """Runs the static path; a failure while building or capturing its rounds becomes a :class:`_CaptureError`."""
     batch, prompt_len = input_ids.shape
     max_drafts = max(draft_lengths)
     device = input_ids.device
-    sampling = Sampling(greedy=temperature == 0, top_k=top_k, top_p=top_p)
+    sampling = Sampling(greedy=temperature == 0, top_k=top_k, top_p=top_p, verification=verification)
     setup_start = time.perf_counter()
     try:
         engine = get_engine(verifier, drafter, batch, prompt_len + max_new_tokens + max_drafts + 1, vocab,

@@ -56,6 +56,7 @@ class Sampling:
     greedy: bool
     top_k: int
     top_p: float
+    verification: str = "token"  # "token" or "block" (rejection_sample's verification)
 
 
 def _slot_step(model: torch.nn.Module, cache: SlotCache, ids: torch.Tensor, slots: torch.Tensor,
@@ -263,7 +264,8 @@ class StaticEngine:
             processed = self._process(target_logits, sampling)
             bad = bad | torch.isnan(processed.amax(dim=-1)).any()
             result = rejection_sample_unchecked(processed, torch.stack(draft_logits, dim=1), draft_tokens, 1.0,
-                                                self.backend, self.row_seeds, self.stream_pos)
+                                                self.backend, self.row_seeds, self.stream_pos,
+                                                verification=sampling.verification)
             tokens, num_accepted = result.tokens, result.num_accepted
         self._commit(tokens, num_accepted, num_drafts, bad)
 
