@@ -121,7 +121,9 @@ def tiled_exponential_race(weights: torch.Tensor, scores: torch.Tensor, seeds: t
     num_tiles = tile_mass.shape[-1]
     tile_ids = TILE_INDEX_BASE + torch.arange(num_tiles, device=weights.device, dtype=torch.int64)[None, :]
     tile = exponential_race(torch.log(tile_mass), seeds, positions, tile_ids)
-    ids = tile[:, None] * RACE_TILE + torch.arange(RACE_TILE, device=weights.device, dtype=torch.int64)[None, :]
+    # (a vocabulary below one tile races its V ids only: the tile's other columns score -inf and never win)
+    width = min(RACE_TILE, vocab)
+    ids = tile[:, None] * RACE_TILE + torch.arange(width, device=weights.device, dtype=torch.int64)[None, :]
     inside = scores.gather(1, ids.clamp(max=vocab - 1)).masked_fill(ids >= vocab, float("-inf"))
     column = exponential_race(inside, seeds, positions, ids)
     return ids.gather(1, column[:, None]).squeeze(1)
