@@ -58,15 +58,17 @@ itself ``<= 1e-6``; everywhere else the sampler is exactly lossless.
 """
 
 
-BLOCK_CERTAIN_EPS = 1e-6
+BLOCK_CERTAIN_EPS = 1e-5
 """Block verification treats a position whose log-weight ``a_i = log P_i`` is at least ``-BLOCK_CERTAIN_EPS`` as
 certain (``P_i = 1``: the stop is at least ``i`` once the scan reaches it).
 
 Why: the test ``eta_i <= W_i / (W_i + 1 - P_i)`` is 0 / 0 where ``P_i`` is 1 up to rounding and ``W_i`` is rounding
-noise (``q == p`` up to rounding), so two summation orders of the normalisers could stop at different positions.
-Cost: the scan reaches a position with probability at most ``1 - P_i + W_i`` given the drafts before it and then
-fails with probability ``(1 - P_i) / (1 - P_i + W_i)``, so deciding "stop here" moves at most ``1 - P_i <= 1e-6`` of
-probability per position: a deviation of at most 1e-6 in total variation, as :data:`RESIDUAL_MASS_EPS`.
+noise (``q == p`` up to rounding, e.g. one model run through two code paths: logits ~1e-6 apart give ``|log P_i|``
+of a few 1e-6), so two summation orders of the normalisers could stop at different positions.
+Cost: given the drafts before it the scan reaches position ``i`` with probability ``1 - P_i + W_i`` and then fails
+with probability ``(1 - P_i) / (1 - P_i + W_i)``, so deciding "stop here" moves ``1 - P_i <= 1e-5`` of probability,
+only at positions whose weight lies in ``[exp(-1e-5), 1)``: a deviation of at most 1e-5 in total variation per such
+position, and none elsewhere.
 """
 
 

@@ -20,108 +20,10 @@ from specdec.kernels.rejection_sampling_reference import (
     rejection_sample_reference,
 )
 
+from exact_laws import bigram, completed_law, expected_accepted, positional, round_law
 from stats import assert_follows
 
 ROWS = 12000
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Exact enumeration (float64), from the algorithm's statement
-
-
-def _round_law(p_next, q_next, num_drafts: int, vocab: int, scheme: str) -> dict[tuple, float]:
-    """{emitted tokens: probability} of one round. ``p_next(prefix)`` / ``q_next(prefix)``: [V] float64 laws of the
-    next token after the drafted ``prefix`` (a tuple). Token-wise: accept draft i with min(1, p/q), stop at the
-    first rejection and draw from max(0, p - q). Block: P_0 = 1, P_i = min(1, P_{i-1} p/q), h_i = W_i / (W_i + 1 -
-    P_i) with W_i = sum max(0, P_i p_i - q_i) (h_0 = 1, h_K = P_K); the stop is the largest i whose test passes."""
-    law: dict[tuple, float] = {}
-
-    def add(tokens, mass, weights):
-        for y in range(vocab):
-            if float(weights[y]) > 0:
-                law[tokens + (y,)] = law.get(tokens + (y,), 0.0) + mass * float(weights[y])
-
-    for xs in itertools.product(range(vocab), repeat=num_drafts):
-        q_block = 1.0
-        for i in range(num_drafts):
-            q_block *= float(q_next(xs[:i])[xs[i]])
-        if q_block == 0.0:
-            continue
-        ratios = [float(p_next(xs[:i])[xs[i]] / q_next(xs[:i])[xs[i]]) for i in range(num_drafts)]
-        if scheme == "token":
-            kept = 1.0
-            for i in range(num_drafts):
-                residual = (p_next(xs[:i]) - q_next(xs[:i])).clamp(min=0)
-                if float(residual.sum()) > 0:
-                    add(xs[:i], q_block * kept * (1 - min(1.0, ratios[i])), residual / residual.sum())
-                kept *= min(1.0, ratios[i])
-            add(xs, q_block * kept, p_next(xs))
-            continue
-        weights = [1.0]
-        for ratio in ratios:
-            weights.append(min(1.0, weights[-1] * ratio))
-        h, residuals = [], []
-        for i in range(num_drafts):
-            w = (weights[i] * p_next(xs[:i]) - q_next(xs[:i])).clamp(min=0)
-            mass = float(w.sum())
-            h.append(1.0 if i == 0 or mass + 1 - weights[i] == 0 else mass / (mass + 1 - weights[i]))
-            residuals.append(w / mass if mass > 0 else w)
-        h.append(weights[-1])
-        residuals.append(p_next(xs))
-        none_above = 1.0
-        for i in range(num_drafts, -1, -1):
-            add(xs[:i], q_block * none_above * h[i], residuals[i])
-            none_above *= 1 - h[i]
-    return law
-
-
-def _completed_law(law: dict[tuple, float], p_next, length: int, vocab: int) -> dict[tuple, float]:
-    """The law of ``length`` tokens: a round's output, continued by sampling from ``p_next``."""
-    full: dict[tuple, float] = {}
-    for tokens, mass in law.items():
-        for rest in itertools.product(range(vocab), repeat=length - len(tokens)):
-            seq = tokens + rest
-            for i in range(len(tokens), length):
-                mass *= float(p_next(seq[:i])[seq[i]])
-            full[seq] = full.get(seq, 0.0) + mass
-            mass = law[tokens]
-    return full
-
-
-def _bigram(logits: torch.Tensor):
-    """``prefix -> softmax(logits[last token])`` (``logits[V]`` for the empty prefix): a context-dependent law."""
-    probs = torch.softmax(logits.double(), -1)
-    vocab = probs.shape[-1]
-    return lambda prefix: probs[prefix[-1] if prefix else vocab]
-
-
-def _positional(logits: torch.Tensor):
-    """``prefix -> softmax(logits[len(prefix)])``: one law per position, whatever the drafts before."""
-    probs = torch.softmax(logits.double(), -1)
-    return lambda prefix: probs[len(prefix)]
-
-
-def _expected_accepted(p: torch.Tensor, q: torch.Tensor, scheme: str) -> float:
-    """E[accepted drafts] of one round with per-position laws p [K+1, V], q [K, V] (float64), by enumerating every
-    draft block at once: token-wise prod of min(1, p/q) up to each position; block sum_i i h_i prod_{j>i} (1 - h_j)."""
-    num_drafts, vocab = q.shape
-    paths = torch.cartesian_prod(*[torch.arange(vocab)] * num_drafts).reshape(-1, num_drafts)
-    steps = torch.arange(num_drafts)
-    q_block = q[steps, paths].prod(dim=1)
-    ratio = p[steps, paths] / q[steps, paths]
-    if scheme == "token":
-        return float((q_block * torch.cumprod(ratio.clamp(max=1), dim=1).sum(dim=1)).sum())
-    weights = torch.ones(paths.shape[0], num_drafts + 1, dtype=torch.float64)
-    for i in range(num_drafts):
-        weights[:, i + 1] = torch.minimum(weights[:, i] * ratio[:, i], torch.ones(()))
-    mass = (weights[:, :num_drafts, None] * p[None, :num_drafts] - q[None]).clamp(min=0).sum(dim=-1)
-    denominator = mass + 1 - weights[:, :num_drafts]
-    h = torch.where(denominator > 0, mass / denominator.clamp(min=1e-300), torch.ones(()))
-    h = torch.cat([h, weights[:, num_drafts:]], dim=1)
-    h[:, 0] = 1.0
-    none_above = torch.flip(torch.cumprod(torch.flip(1 - h, [1]), dim=1), [1])  # prod_{j >= i} (1 - h_j)
-    stop_law = h * torch.cat([none_above[:, 1:], torch.ones(paths.shape[0], 1, dtype=torch.float64)], dim=1)
-    return float((q_block * (stop_law * torch.arange(num_drafts + 1)).sum(dim=1)).sum())
 
 
 def test_paper_example_two_drafts_binary_vocabulary():
@@ -129,10 +31,10 @@ def test_paper_example_two_drafts_binary_vocabulary():
     # accepts 10/9 drafts a round, block verification 11/9
     p = torch.tensor([[1 / 3, 2 / 3]] * 3, dtype=torch.float64)
     q = torch.tensor([[2 / 3, 1 / 3]] * 2, dtype=torch.float64)
-    assert _expected_accepted(p, q, "token") == pytest.approx(10 / 9, abs=1e-12)
-    assert _expected_accepted(p, q, "block") == pytest.approx(11 / 9, abs=1e-12)
+    assert expected_accepted(p, q, "token") == pytest.approx(10 / 9, abs=1e-12)
+    assert expected_accepted(p, q, "block") == pytest.approx(11 / 9, abs=1e-12)
     for scheme, expected in (("token", 10 / 9), ("block", 11 / 9)):
-        law = _round_law(_positional(p.log()), _positional(q.log()), 2, 2, scheme)
+        law = round_law(positional(p.log()), positional(q.log()), 2, 2, scheme)
         assert sum((len(tokens) - 1) * mass for tokens, mass in law.items()) == pytest.approx(expected, abs=1e-12)
     # the reference, 20000 rounds: within 5 standard errors of 11/9 (the s.e. is below 0.006; token-wise is 0.11 less)
     rows = 20000
@@ -157,16 +59,16 @@ def test_block_round_completed_by_the_verifier_is_the_verifiers_law(vocab, num_d
         p_logits[torch.rand(vocab + 1, vocab, generator=gen) < 0.25] = float("-inf")
         q_logits[torch.rand(vocab + 1, vocab, generator=gen) < 0.25] = float("-inf")
         p_logits[:, 0] = q_logits[:, 1] = 0.0  # every context keeps an id under each
-    p_next, q_next = _bigram(p_logits), _bigram(q_logits)
+    p_next, q_next = bigram(p_logits), bigram(q_logits)
     length = num_drafts + 1
     target = {seq: 1.0 for seq in itertools.product(range(vocab), repeat=length)}
     for seq in target:
         for i in range(length):
             target[seq] *= float(p_next(seq[:i])[seq[i]])
     for scheme in ("token", "block"):
-        law = _round_law(p_next, q_next, num_drafts, vocab, scheme)
+        law = round_law(p_next, q_next, num_drafts, vocab, scheme)
         assert sum(law.values()) == pytest.approx(1.0, abs=1e-12)
-        completed = _completed_law(law, p_next, length, vocab)
+        completed = completed_law(law, p_next, length, vocab)
         assert max(abs(completed.get(seq, 0.0) - mass) for seq, mass in target.items()) < 1e-12, scheme
 
 
@@ -206,14 +108,14 @@ def test_reference_block_rounds_follow_the_enumerated_law(temperature, top_k, to
     rows_of_logits = vocab + 1 if context else num_drafts + 1  # per previous token, or per position
     p_logits = _filtered(torch.randn(rows_of_logits, vocab, generator=gen) * 1.5, temperature, top_k, top_p)
     q_logits = _filtered(torch.randn(rows_of_logits, vocab, generator=gen) * 1.5, temperature, top_k, top_p)
-    law_of = _bigram if context else _positional
+    law_of = bigram if context else positional
     p_next, q_next = law_of(p_logits.double() / temperature), law_of(q_logits.double() / temperature)
     target, draft, drafts = _sample_round(p_logits, q_logits, ROWS, num_drafts, context, seed=8,
                                           temperature=temperature)
     tokens, accepted, _, _ = rejection_sample_reference(target, draft, drafts, torch.arange(ROWS) * 7919 + 3,
                                                         torch.zeros(ROWS, dtype=torch.int64), temperature,
                                                         verification="block")
-    law = _round_law(p_next, q_next, num_drafts, vocab, "block")
+    law = round_law(p_next, q_next, num_drafts, vocab, "block")
     outcomes = {tokens: index for index, tokens in enumerate(law)}
     emitted = [tuple(row[row >= 0].tolist()) for row in tokens]
     assert all(len(row) == n + 1 and row[:n] == tuple(d[:n].tolist())
@@ -275,10 +177,10 @@ def test_block_accepts_at_least_as_many_drafts_as_token_wise_and_more_where_p_di
             p, q = _setting(vocab, num_drafts, spread, seed=num_drafts * 100 + int(10 * spread))
             alpha = torch.minimum(p[:num_drafts], q).sum(-1)
             alphas.append(float(alpha.mean()))
-            token = _expected_accepted(p, q, "token")
+            token = expected_accepted(p, q, "token")
             closed_form = float(torch.cumprod(alpha, 0).sum())  # sum_i prod_{j < i} alpha_j
             assert token == pytest.approx(closed_form, rel=1e-10)
-            block = _expected_accepted(p, q, "block")
+            block = expected_accepted(p, q, "block")
             # strictly more whenever a draft with p/q < 1 can be followed by one with p/q > 1 (K >= 2, p != q)
             assert block > token + 1e-12, (num_drafts, spread, block, token)
             # what the reference accepts, measured over 3000 rounds, is that exact value (token-wise: the accepted-count
@@ -295,7 +197,7 @@ def test_block_accepts_at_least_as_many_drafts_as_token_wise_and_more_where_p_di
 
 def test_identical_laws_accept_every_draft_under_both_schemes():
     p, _ = _setting(4, 8, 0.0, seed=3)
-    assert _expected_accepted(p, p[:8], "block") == pytest.approx(8.0, abs=1e-12)
+    assert expected_accepted(p, p[:8], "block") == pytest.approx(8.0, abs=1e-12)
     target, draft, drafts = _sample_round(p.log().float(), p[:8].log().float(), 2000, 8, False, seed=4)
     _, accepted, _, _ = rejection_sample_reference(target, draft, drafts, torch.arange(2000),
                                                    torch.zeros(2000, dtype=torch.int64), 1.0, verification="block")
@@ -374,7 +276,7 @@ def test_ragged_rows_end_the_block_at_their_last_draft():
     reached = minus_one[1] == 2
     assert_follows(torch.bincount(minus_one[0][reached, 2], minlength=vocab), torch.softmax(target[0, 2].double(), -1),
                    what="token after the last real draft")
-    law = _round_law(_positional(target[0].double()), _positional(draft[0].double()), 2, vocab, "block")
+    law = round_law(positional(target[0].double()), positional(draft[0].double()), 2, vocab, "block")
     stop_law = torch.zeros(3, dtype=torch.float64)
     for tokens, mass in law.items():
         stop_law[len(tokens) - 1] += mass
