@@ -11,7 +11,8 @@ Terms:
     position ``j``: the ``K`` draft positions ``0 .. K-1`` and the bonus position ``K``.
     ``n_b``: row b's real drafts: its ``num_draft_tokens`` capped at its first ``-1`` draft.
     scale ``s_b``: ``1 / T`` for sampled rows, 1 for greedy rows (``T = 0`` or ``greedy_mask[b]``).
-    stop position: the first rejected position ``j < n_b``, else ``n_b``; it equals ``num_accepted[b]``.
+    stop position: the first rejected position ``j < n_b``, else ``n_b`` (block verification: below); it equals
+        ``num_accepted[b]``.
     residual: ``w(x) = max(0, p(x) - q(x))`` at the stop position of a rejected row.
     race tile: 256 consecutive vocabulary ids (``RACE_TILE``); split: a vocabulary chunk handled by one program.
 
@@ -24,6 +25,14 @@ Formula (per row ``b`` and position ``j``)::
     tile     c* = argmax_c log W_c - log E(seed_b, off_b + stop, TILE_INDEX_BASE + c),  W_c = sum_{x in c} w(x)
     next     = argmax_{x in c*} log w(x) - log E(seed_b, off_b + stop, x)
     greedy rows: accept_j = (x_j == argmax_x target[b, j, x]) (lowest id on ties); next = that arg-max at stop.
+
+Block verification (``verification="block"``, sampled rows; ``docs/rejection_sampling.md``)::
+
+    a_0 = 0,  a_{j+1} = min(0, a_j + log p_j(x_j) - log q_j(x_j))                  (a_j = log P_j, fp32, in order)
+    W_j   = sum_x max(0, P_j p_j(x) - q_j(x)),  eta_j = U(seed_b, off_b + j - 1, ACCEPT)
+    stop  = max {j in 1..n_b : log eta_j <= a_j and (j = n_b or a_j >= -BLOCK_CERTAIN_EPS
+                                                     or eta_j (W_j + 1 - P_j) <= W_j)}, else 0
+    w(x)  = max(0, P_stop p_stop(x) - q_stop(x)) at a stop < n_b (p_stop at n_b; p when the mass is <= 1e-6)
 
 The two-level race draws ``x`` with probability ``(W_c / W) (w(x) / W_c) = w(x) / W`` without normalising ``w``:
 random numbers per tile for level 1, per id only inside the winning tile. ``E = -log U`` is Exp(1) noise drawn from
