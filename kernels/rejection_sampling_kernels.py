@@ -473,14 +473,17 @@ def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greed
 
 
 @triton.jit
-def _race_chunk(t_base, d_base, lo, hi, rejected, lt_r, delta_r, scale, rk_a, rk_b, V, TILES: tl.constexpr,
-                RACE_TILE: tl.constexpr, TILE_BASE: tl.constexpr, SINGLE: tl.constexpr, FTZ: tl.constexpr,
-                FAST_LOG: tl.constexpr, RACE_EVICT: tl.constexpr):
-    """Level 1 of both races (residual and p) over ids ``[lo, hi)`` of one row, then level 2 on this program's best
-    tile of the race the row most likely uses (the residual when ``rejected``, else p; the finalize redoes it only
-    in the rare residual-mass fallback). ``lt_r``, ``delta_r``: the row's ``L_t - log P`` and ``L_d - L_t + log P``
-    (``P = 1`` token-wise). Returns (best residual tile score, its tile, best p tile score, its tile, residual mass
-    over the chunk, level-2 id; ``V`` or the tile count ``NT`` where there is none)."""
+def _race_row(target_ptr, draft_ptr, race_ptr, b, j, slot, lo, hi, rejected, lt_r, delta_r, scale, rk_a, rk_b,
+              V, K, split, S2, R, TILES: tl.constexpr, RACE_TILE: tl.constexpr, TILE_BASE: tl.constexpr,
+              SINGLE: tl.constexpr, FTZ: tl.constexpr, FAST_LOG: tl.constexpr, RACE_EVICT: tl.constexpr):
+    """Level 1 of both races (residual and p) over ids ``[lo, hi)`` of position ``j`` of row ``b``, then level 2 on
+    this program's best tile of the race the row most likely uses (the residual when ``rejected``, else p; the
+    finalize redoes it only in the rare residual-mass fallback). ``lt_r``, ``delta_r``: the row's ``L_t - log P`` and
+    ``L_d - L_t + log P`` (``P = 1`` token-wise). Stores at ``race[b, split, slot]`` ([B, S2, R, 6]) the best
+    residual tile score, its tile, the best p tile score, its tile, the residual mass over the chunk and the level-2
+    id (``V`` or the tile count ``NT`` where there is none)."""
+    t_base = target_ptr + (b.to(tl.int64) * (K + 1) + j) * V
+    d_base = draft_ptr + (b.to(tl.int64) * K + tl.minimum(j, K - 1)) * V
     v_d = tl.where(rejected, V, 0)
     NT = (V + RACE_TILE - 1) // RACE_TILE  # number of tiles; "no tile" is NT
     tiles = tl.arange(0, TILES)
@@ -526,25 +529,12 @@ def _race_chunk(t_base, d_base, lo, hi, rejected, lt_r, delta_r, scale, rk_a, rk
         best_p, win_p = _lanes_winner(best_p, tile_p, NT)
         local_id = _in_tile_race(t_base, d_base, tl.where(rejected, win_r, win_p), rejected, lt_r, delta_r,
                                  scale, rk_a, rk_b, V, v_d, RACE_TILE, FTZ, FAST_LOG)
-    return best_r, win_r, best_p, win_p, tl.sum(mass, axis=0), local_id
-
-
-@triton.jit
-def _race_row(target_ptr, draft_ptr, race_ptr, b, j, slot, lo, hi, rejected, lt_r, delta_r, scale, rk_a, rk_b,
-              V, K, split, S2, R, TILES: tl.constexpr, RACE_TILE: tl.constexpr, TILE_BASE: tl.constexpr,
-              SINGLE: tl.constexpr, FTZ: tl.constexpr, FAST_LOG: tl.constexpr, RACE_EVICT: tl.constexpr):
-    """:func:`_race_chunk` on position ``j`` of row ``b``, stored at ``race[b, split, slot]`` ([B, S2, R, 6])."""
-    t_base = target_ptr + (b.to(tl.int64) * (K + 1) + j) * V
-    d_base = draft_ptr + (b.to(tl.int64) * K + tl.minimum(j, K - 1)) * V
-    best_r, win_r, best_p, win_p, mass, local_id = _race_chunk(
-        t_base, d_base, lo, hi, rejected, lt_r, delta_r, scale, rk_a, rk_b, V, TILES, RACE_TILE, TILE_BASE, SINGLE,
-        FTZ, FAST_LOG, RACE_EVICT)
     out = ((b.to(tl.int64) * S2 + split) * R + slot) * 6
     tl.store(race_ptr + out, best_r)
     tl.store(race_ptr + out + 1, win_r.to(tl.float32))
     tl.store(race_ptr + out + 2, best_p)
     tl.store(race_ptr + out + 3, win_p.to(tl.float32))
-    tl.store(race_ptr + out + 4, mass)
+    tl.store(race_ptr + out + 4, tl.sum(mass, axis=0))
     tl.store(race_ptr + out + 5, local_id.to(tl.float32))
 
 
@@ -570,9 +560,8 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
     PDL_WAIT: launched with programmatic dependent launch; everything that does not read the statistics (row setup,
     random keys, draft logits) runs before ``gdc_wait``. Positions ``>= n_stat`` have no statistics (the bonus
     position of a batch without greedy rows).
-    BLOCK_VERIFY (block verification, sampled rows): the block weights and the rows the stop can need come from the
-    statistics in registers (:func:`~specdec.kernels.rejection_sampling_block._block_rows`); each program races its
-    chunk of every such row, accumulating its residual mass ``W_i``, and the finalize picks the stop.
+    BLOCK_VERIFY (sampled rows): each program races its chunk of every row the stop can need (from the statistics
+    in registers, :mod:`~specdec.kernels.rejection_sampling_block`); the finalize sums their masses, picks the stop.
     """
     b = tl.program_id(0)
     split = tl.program_id(1)
@@ -604,7 +593,6 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
     at_stop = js == stop
     delta = (md - mt) + tl.log(sd / st)  # L_d - L_t per position, accurately
     am_stop = tl.sum(tl.where(at_stop, am, 0), axis=0)
-
     if COMPUTE_SCORES:
         if split == 0:
             tl.store(logprob_ptr + b.to(tl.int64) * K + js, tl.where(real, lp, float("-inf")), mask=draft_mask)
