@@ -1,6 +1,9 @@
 """End-to-end generation speed: ``specdec.generate`` against Hugging Face's generate paths, in one process on one GPU.
 
-Every provider does identical work: the same prompts, greedy decoding, a fixed number of new tokens (no eos).
+Every provider does identical work: the same prompts, greedy decoding (or sampling at ``--temperature``), a fixed
+number of new tokens (no eos). ``--verification token,block`` runs the specdec_static and specdec_eager rows under
+each scheme (``verification`` column; block verification changes sampled rounds only, greedy ones are the arg-max
+rule under both).
 
 Providers
     hf_eager        ``verifier.generate()`` (dynamic cache, eager forward calls)
@@ -33,7 +36,9 @@ single-token steps; eager: synchronised eager calls); ``predicted_speedup`` = S(
 speculation (specdec_plain for the static path, specdec at K = 0 with ``static=False`` for the eager path,
 specdec_plain_compiled for the compiled path); ``first_call_s`` is the first call's wall time (graph capture,
 compilation); ``rows_identical`` is the fraction of batch rows whose tokens equal hf_eager's greedy tokens (bf16
-changes of batch shape can flip near-ties), ``first_mismatch`` the mean index of the first differing token.
+changes of batch shape can flip near-ties), ``first_mismatch`` the mean index of the first differing token (both blank
+when sampling). Under block verification ``alpha`` is the block run's accepted over tested draft positions and no
+``predicted_speedup`` is given (S assumes token-wise verification).
 
     python benchmarks/bench_generate.py --model llama-1b            # rows into benchmarks/results/generate.csv
     python benchmarks/bench_generate.py --model llama-3b --batches 1,8 --ks 4
@@ -51,6 +56,9 @@ step - drafter step) / (L - L_drafter) - one layer's bytes / copy bandwidth: the
 beyond reading its weights.
 
     python benchmarks/bench_generate.py --step --batches 1,8,32     # rows into benchmarks/results/generate_step.csv
+
+    python benchmarks/bench_generate.py --batches 1,8 --alphas 0.5,0.75 --ks 4,8 --temperature 1 \
+        --verification token,block --providers specdec_static --no-compiled      # block vs token-wise
 """
 
 from __future__ import annotations
@@ -80,7 +88,8 @@ SHAPES = {
                     intermediate_size=4096, vocab_size=12288, tie_word_embeddings=False),
 }
 STEP_KEY = ("gpu", "model", "batch", "provider")
-KEY = ("gpu", "model", "alpha_target", "batch", "num_draft_tokens", "provider")
+KEY = ("gpu", "model", "alpha_target", "batch", "num_draft_tokens", "provider", "temperature", "verification")
+KEY_DEFAULTS = {"temperature": "0.0", "verification": "token"}  # rows written before these columns existed
 
 
 def build_pair(name: str, draft_layers: int, seed: int = 0):
@@ -120,14 +129,16 @@ class DeepScale:
         self.eps = eps
 
 
-def calibrate(scale: DeepScale, verifier, drafter, prompts, target: float, new_tokens: int, steps: int = 9) -> float:
-    """Bisection on eps in [0, 1] for greedy acceptance ``target`` at K = 4 (alpha falls as eps grows)."""
+def calibrate(scale: DeepScale, verifier, drafter, prompts, target: float, new_tokens: int, steps: int = 9,
+              temperature: float = 0.0) -> float:
+    """Bisection on eps in [0, 1] for token-wise acceptance ``target`` at K = 4 (greedy, or sampled at
+    ``temperature``; alpha falls as eps grows)."""
     low, high = 0.0, 1.0
     for _ in range(steps):
         mid = (low + high) / 2
         scale.set(mid)
         stats = specdec.generate(verifier, drafter, prompts, max_new_tokens=new_tokens, num_draft_tokens=4,
-                                 pad_token_id=0).stats
+                                 pad_token_id=0, temperature=temperature, seed=0).stats
         alpha = float(stats.accepted_per_position.sum()) / max(int(stats.attempted_per_position.sum()), 1)
         low, high = (mid, high) if alpha > target else (low, mid)
     scale.set((low + high) / 2)
@@ -180,36 +191,46 @@ def run_case(args, env: dict, verifier, drafter, scale: DeepScale | None, prompt
              target: float | None, vocab: int) -> list[dict]:
     """Every provider at one (batch, target alpha): rows for K = 0, every K of ``args.ks`` and "auto"."""
     rows = []
-    batch, new_tokens = prompts.shape[0], args.new_tokens
-    hf_kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=new_tokens, pad_token_id=0)
+    batch, new_tokens, temperature = prompts.shape[0], args.new_tokens, args.temperature
+    sampling = temperature > 0
+    hf_kwargs = dict(attention_mask=mask, do_sample=sampling, max_new_tokens=new_tokens, pad_token_id=0)
+    if sampling:
+        hf_kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+    sd_kwargs = dict(temperature=temperature, seed=0) if sampling else {}
 
     def hf(**extra):
         return lambda: verifier.generate(prompts, **hf_kwargs, **extra)[:, prompts.shape[1]:]
 
     def sd(**extra):
         return lambda: specdec.generate(verifier, drafter, prompts, attention_mask=mask, max_new_tokens=new_tokens,
-                                        pad_token_id=0, **extra)
+                                        pad_token_id=0, **sd_kwargs, **extra)
 
-    eps = calibrate(scale, verifier, drafter, prompts, target, new_tokens) if scale is not None else float("nan")
+    eps = (calibrate(scale, verifier, drafter, prompts, target, new_tokens, temperature=temperature)
+           if scale is not None else float("nan"))
     base = dict(env, model=args.model, alpha_target=target, eps=round(eps, 5), batch=batch,
-                prompt_len=prompts.shape[1], new_tokens=new_tokens, draft_layers=args.draft_layers)
+                prompt_len=prompts.shape[1], new_tokens=new_tokens, draft_layers=args.draft_layers,
+                temperature=temperature)
     first, seconds, reference = timed(hf(), 1)
 
-    def row(provider, k, first_s, seconds, tokens, alpha=float("nan"), c=float("nan"), achieved=None):
-        identical, first_mismatch = agreement(tokens, reference)
-        predicted = float(specdec.speedup(alpha, k, c)) if k not in (0, "auto") and alpha == alpha else None
-        rows.append(dict(base, num_draft_tokens=k, provider=provider, alpha=round(alpha, 4), c=round(c, 4),
+    def row(provider, k, first_s, seconds, tokens, alpha=float("nan"), c=float("nan"), achieved=None,
+            verification="token"):
+        identical, first_mismatch = ("", "") if sampling else agreement(tokens, reference)
+        predicted = (float(specdec.speedup(alpha, k, c)) if k not in (0, "auto") and alpha == alpha
+                     and verification == "token" else None)
+        rows.append(dict(base, num_draft_tokens=k, provider=provider, verification=verification,
+                         alpha=round(alpha, 4), c=round(c, 4),
                          tokens_per_s=round(batch * new_tokens / seconds, 1), seconds=round(seconds, 4),
                          first_call_s=round(first_s, 3), predicted_speedup=predicted and round(predicted, 3),
                          achieved_speedup=achieved and round(achieved, 3),
                          achieved_over_predicted=achieved and predicted and round(achieved / predicted, 3),
-                         rows_identical=round(identical, 3), first_mismatch=round(first_mismatch, 1),
+                         rows_identical=identical if sampling else round(identical, 3),
+                         first_mismatch=first_mismatch if sampling else round(first_mismatch, 1),
                          acceptance_rate=round(last_stats[0].total_acceptance_rate, 4)
                          if provider.startswith("specdec") and k else "",
                          path=last_stats[0].path if provider.startswith("specdec") else "",
                          setup_s=round(last_stats[0].setup_time_s, 3) if provider.startswith("specdec") else ""))
         print({key: rows[-1][key] for key in ("model", "alpha_target", "batch", "num_draft_tokens", "provider",
-                                              "alpha", "c", "tokens_per_s", "achieved_over_predicted",
+                                              "verification", "alpha", "c", "tokens_per_s", "achieved_over_predicted",
                                               "first_call_s", "rows_identical")}, flush=True)
 
     def tokens_of(out):
@@ -237,13 +258,14 @@ def run_case(args, env: dict, verifier, drafter, scale: DeepScale | None, prompt
         c_eager = step_cost_ratio(verifier, drafter, batch, vocab, False)
     c_static = step_cost_ratio(verifier, drafter, batch, vocab, True)
     for k in args.ks if wanted("specdec_static") else []:
-        first, seconds, out = timed(sd(num_draft_tokens=k), args.repeats)
-        row("specdec_static", k, first, seconds, tokens_of(out), alpha_of(out), c_static,
-            plain_s / seconds)
-        if k == args.eager_k and wanted("specdec_eager"):
-            first, seconds, out = timed(sd(num_draft_tokens=k, static=False), 1)
-            row("specdec_eager", k, first, seconds, tokens_of(out), alpha_of(out), c_eager,
-                eager_plain_s / seconds)
+        for verification in args.verifications:
+            first, seconds, out = timed(sd(num_draft_tokens=k, verification=verification), args.repeats)
+            row("specdec_static", k, first, seconds, tokens_of(out), alpha_of(out), c_static,
+                plain_s / seconds, verification)
+            if k == args.eager_k and wanted("specdec_eager"):
+                first, seconds, out = timed(sd(num_draft_tokens=k, static=False, verification=verification), 1)
+                row("specdec_eager", k, first, seconds, tokens_of(out), alpha_of(out), c_eager,
+                    eager_plain_s / seconds, verification)
         if batch == 1 and wanted("hf_assisted"):
             schedule = dict(num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
                             assistant_confidence_threshold=0.0)
@@ -403,8 +425,9 @@ def merge_rows(path: str, rows: list[dict], key: tuple[str, ...] = KEY) -> None:
     if os.path.exists(path):
         with open(path, newline="") as handle:
             old = list(csv.DictReader(handle))
-    new_keys = {tuple(str(r[k]) for k in key) for r in rows}
-    kept = [r for r in old if tuple(r.get(k, "") for k in key) not in new_keys]
+    defaults = KEY_DEFAULTS if key == KEY else {}
+    new_keys = {tuple(str(r.get(k, defaults.get(k, ""))) for k in key) for r in rows}
+    kept = [r for r in old if tuple(r.get(k) or defaults.get(k, "") for k in key) not in new_keys]
     fields = list(dict.fromkeys([*rows[0], *(k for r in rows for k in r), *(k for r in kept for k in r)]))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w", newline="") as handle:
@@ -432,6 +455,11 @@ def main() -> None:
     parser.add_argument("--no-compiled", dest="compiled", action="store_false",
                         help="leave out the specdec *_compiled providers (their compilation)")
     parser.add_argument("--compiled-ks", default="4", help="K values of the specdec_compiled rows (default: 4)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy (default); > 0: every provider samples at this temperature (seeded)")
+    parser.add_argument("--verification", default="token",
+                        help="comma-separated schemes of the specdec_static / specdec_eager rows among token, block "
+                             "(default: token)")
     parser.add_argument("--out", default=RESULTS, help=f"CSV to merge rows into (default: {RESULTS})")
     parser.add_argument("--step", action="store_true", help="run the step benchmark instead (module docstring)")
     parser.add_argument("--step-models", default="llama-1b,12x768,24x1024,llama-3b",
@@ -444,6 +472,9 @@ def main() -> None:
     args.ks = [int(k) for k in args.ks.split(",")]
     args.alphas = [float(a) for a in args.alphas.split(",")]
     args.compiled_ks = [int(k) for k in args.compiled_ks.split(",")]
+    args.verifications = args.verification.split(",")
+    if not set(args.verifications) <= {"token", "block"}:
+        parser.error(f"--verification takes token and/or block, got {args.verification!r}")
     args.providers = None if args.providers is None else set(args.providers.split(","))
     if args.model == "demo" and not args.demo_pair:
         parser.error("--model demo needs --demo-pair DIR")

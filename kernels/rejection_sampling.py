@@ -11,7 +11,8 @@ Terms:
     position ``j``: the ``K`` draft positions ``0 .. K-1`` and the bonus position ``K``.
     ``n_b``: row b's real drafts: its ``num_draft_tokens`` capped at its first ``-1`` draft.
     scale ``s_b``: ``1 / T`` for sampled rows, 1 for greedy rows (``T = 0`` or ``greedy_mask[b]``).
-    stop position: the first rejected position ``j < n_b``, else ``n_b``; it equals ``num_accepted[b]``.
+    stop position: the first rejected position ``j < n_b``, else ``n_b`` (block verification: below); it equals
+        ``num_accepted[b]``.
     residual: ``w(x) = max(0, p(x) - q(x))`` at the stop position of a rejected row.
     race tile: 256 consecutive vocabulary ids (``RACE_TILE``); split: a vocabulary chunk handled by one program.
 
@@ -24,6 +25,14 @@ Formula (per row ``b`` and position ``j``)::
     tile     c* = argmax_c log W_c - log E(seed_b, off_b + stop, TILE_INDEX_BASE + c),  W_c = sum_{x in c} w(x)
     next     = argmax_{x in c*} log w(x) - log E(seed_b, off_b + stop, x)
     greedy rows: accept_j = (x_j == argmax_x target[b, j, x]) (lowest id on ties); next = that arg-max at stop.
+
+Block verification (``verification="block"``, sampled rows; ``docs/rejection_sampling.md``)::
+
+    a_0 = 0,  a_{j+1} = min(0, a_j + log p_j(x_j) - log q_j(x_j))                  (a_j = log P_j, fp32, in order)
+    W_j   = sum_x max(0, P_j p_j(x) - q_j(x)),  eta_j = U(seed_b, off_b + j - 1, ACCEPT)
+    stop  = max {j in 1..n_b : log eta_j <= a_j and (j = n_b or a_j >= -BLOCK_CERTAIN_EPS
+                                                     or eta_j (W_j + 1 - P_j) <= W_j)}, else 0
+    w(x)  = max(0, P_stop p_stop(x) - q_stop(x)) at a stop < n_b (p_stop at n_b; p when the mass is <= 1e-6)
 
 The two-level race draws ``x`` with probability ``(W_c / W) (w(x) / W_c) = w(x) / W`` without normalising ``w``:
 random numbers per tile for level 1, per id only inside the winning tile. ``E = -log U`` is Exp(1) noise drawn from
@@ -53,7 +62,7 @@ import triton
 from ._device import launching_on
 from .rejection_sampling_kernels import _race_kernel, _stats_kernel
 from .rejection_sampling_plan import LaunchPlan, plan_launch, statistics_launches, vocabulary_chunk
-from .rejection_sampling_reference import RACE_TILE, RESIDUAL_MASS_EPS, TILE_INDEX_BASE
+from .rejection_sampling_reference import BLOCK_CERTAIN_EPS, RACE_TILE, RESIDUAL_MASS_EPS, TILE_INDEX_BASE
 
 __all__ = ["LaunchPlan", "plan_launch", "rejection_sample_triton"]
 
@@ -68,7 +77,8 @@ def _combine_width(splits: int) -> int:
 def rejection_sample_triton(target_logits: torch.Tensor, draft_logits: torch.Tensor, draft_tokens: torch.Tensor,
                             seeds: torch.Tensor, offsets: torch.Tensor, temperature: float, *,
                             greedy_mask: torch.Tensor | None = None, num_draft_tokens: torch.Tensor | None = None,
-                            compute_scores: bool = False, plan: LaunchPlan | None = None,
+                            compute_scores: bool = False, verification: str = "token",
+                            plan: LaunchPlan | None = None,
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Fused rejection sampling from logits; the contract and results of ``rejection_sample_reference``.
 
@@ -94,10 +104,13 @@ def rejection_sample_triton(target_logits: torch.Tensor, draft_logits: torch.Ten
     compute_scores : bool
         Also return ``log p(draft)`` and ``alpha = sum_x min(p, q)`` per position (at ``T = 1`` for greedy rows);
         one more read of the logits.
+    verification : str
+        ``"token"`` or ``"block"``: the drafts of a sampled row decided jointly (block verification; greedy rows
+        keep the arg-max rule), as ``rejection_sample_reference(..., verification=)``.
     plan : LaunchPlan, optional
         The launch plan; default :func:`plan_launch` of the call's shape, dtype and device. Results do not depend
-        on it; what a call cannot use (live skip or no bonus statistics with greedy rows, stages with scores) is
-        turned off.
+        on it; what a call cannot use (live skip or no bonus statistics with greedy rows, stages with scores, stages
+        or live skip under block verification) is turned off, and its ``verification`` set to the call's.
 
     Returns
     -------
@@ -123,9 +136,11 @@ def rejection_sample_triton(target_logits: torch.Tensor, draft_logits: torch.Ten
     greedy_rows = all_greedy or greedy_mask is not None
     if plan is None:
         plan = plan_launch(batch, num_drafts, vocab, target_logits.dtype, device, greedy_rows=greedy_rows,
-                           scores=compute_scores)
+                           scores=compute_scores, verification=verification)
     else:
-        plan = plan.restricted(batch=batch, num_drafts=num_drafts, greedy_rows=greedy_rows, scores=compute_scores)
+        plan = plan.restricted(batch=batch, num_drafts=num_drafts, greedy_rows=greedy_rows, scores=compute_scores,
+                               verification=verification)
+    block = plan.verification == "block"
 
     target = target_logits.contiguous()
     draft = draft_logits.contiguous()
@@ -149,7 +164,7 @@ def rejection_sample_triton(target_logits: torch.Tensor, draft_logits: torch.Ten
     keep_evict, rest_evict = ("evict_last", "evict_first") if plan.l2_keep else ("", "")
     stats = torch.empty((pairs, splits, 4), dtype=torch.float32, device=device)
     argmax = torch.empty((pairs, splits), dtype=torch.int32, device=device)
-    race = torch.empty((batch, splits2, 6), dtype=torch.float32, device=device)
+    race = torch.empty((batch, splits2, num_positions if block else 1, 6), dtype=torch.float32, device=device)
     counter = torch.empty((batch,), dtype=torch.int32, device=device)
     if compute_scores:
         draft_logprob = torch.empty((batch, num_drafts), dtype=torch.float32, device=device)
@@ -180,7 +195,9 @@ def rejection_sample_triton(target_logits: torch.Tensor, draft_logits: torch.Ten
             COMPUTE_SCORES=compute_scores, KP2=kp2, JP2=jp2, SP2=_combine_width(splits), SP2B=_combine_width(splits2),
             TILES=plan.race_tiles, RACE_TILE=RACE_TILE, TILE_BASE=TILE_INDEX_BASE,
             SINGLE=chunk2 == plan.race_tiles * RACE_TILE, MASS_EPS=RESIDUAL_MASS_EPS, PDL_WAIT=plan.pdl,
-            FTZ=plan.fast_math, FAST_LOG=plan.fast_math, RACE_EVICT=rest_evict, num_warps=plan.race_warps,
+            FTZ=plan.fast_math, FAST_LOG=plan.fast_math, RACE_EVICT=rest_evict, BLOCK_VERIFY=block,
+            CERTAIN_EPS=BLOCK_CERTAIN_EPS,
+            num_warps=plan.race_warps,
             **launch, **flags,
         )
     if not compute_scores:

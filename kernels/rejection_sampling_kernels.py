@@ -20,6 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .rejection_sampling_block import _block_log_weights, _block_rows, _block_stop
 from .rng import exponential_from_keys_tl, stream_keys_tl, uniform_from_keys_tl
 from .rng import log_tl as _log  # race scores: log masses and log noise, whose absolute error is what matters
 
@@ -472,6 +473,72 @@ def _stats_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greed
 
 
 @triton.jit
+def _race_row(target_ptr, draft_ptr, race_ptr, b, j, slot, lo, hi, rejected, lt_r, delta_r, scale, rk_a, rk_b,
+              V, K, split, S2, R, TILES: tl.constexpr, RACE_TILE: tl.constexpr, TILE_BASE: tl.constexpr,
+              SINGLE: tl.constexpr, FTZ: tl.constexpr, FAST_LOG: tl.constexpr, RACE_EVICT: tl.constexpr):
+    """Level 1 of both races (residual and p) over ids ``[lo, hi)`` of position ``j`` of row ``b``, then level 2 on
+    this program's best tile of the race the row most likely uses (the residual when ``rejected``, else p; the
+    finalize redoes it only in the rare residual-mass fallback). ``lt_r``, ``delta_r``: the row's ``L_t - log P`` and
+    ``L_d - L_t + log P`` (``P = 1`` token-wise). Stores at ``race[b, split, slot]`` ([B, S2, R, 6]) the best
+    residual tile score, its tile, the best p tile score, its tile, the residual mass over the chunk and the level-2
+    id (``V`` or the tile count ``NT`` where there is none)."""
+    t_base = target_ptr + (b.to(tl.int64) * (K + 1) + j) * V
+    d_base = draft_ptr + (b.to(tl.int64) * K + tl.minimum(j, K - 1)) * V
+    v_d = tl.where(rejected, V, 0)
+    NT = (V + RACE_TILE - 1) // RACE_TILE  # number of tiles; "no tile" is NT
+    tiles = tl.arange(0, TILES)
+    cols = tl.arange(0, RACE_TILE)
+    mass = tl.zeros([TILES], tl.float32)
+    best_r = tl.full([TILES], float("-inf"), tl.float32)
+    tile_r = tl.zeros([TILES], tl.int32) + NT
+    best_p = tl.full([TILES], float("-inf"), tl.float32)
+    tile_p = tl.zeros([TILES], tl.int32) + NT
+    if SINGLE:
+        tile = lo // RACE_TILE + tiles
+        offs = tile[:, None] * RACE_TILE + cols[None, :]
+        lim = tl.where(lo < hi, V, 0)
+        t = tl.load(t_base + offs, mask=offs < lim, other=float("-inf"),
+                    eviction_policy=RACE_EVICT).to(tl.float32) * scale
+        d = tl.load(d_base + offs, mask=offs < tl.minimum(lim, v_d), other=float("-inf"),
+                    eviction_policy=RACE_EVICT).to(tl.float32) * scale
+        best_r, tile_r, best_p, tile_p, mass = _tile_race_update(
+            t, d, lt_r, delta_r, tile, rk_a, rk_b, best_r, tile_r, best_p, tile_p, mass, TILE_BASE, FTZ, FAST_LOG)
+        best_r, win_r = _lanes_winner(best_r, tile_r, NT)
+        best_p, win_p = _lanes_winner(best_p, tile_p, NT)
+        in_win = tile[:, None] == tl.where(rejected, win_r, win_p)
+        local_id = _block_race(t, d, offs, in_win, rejected, lt_r, delta_r, rk_a, rk_b, V, FTZ, FAST_LOG)
+    else:  # blocks in a loop, the next block's loads issued before this block's arithmetic
+        lim = tl.where(lo < hi, V, 0)
+        offs = (lo // RACE_TILE + tiles)[:, None] * RACE_TILE + cols[None, :]
+        t_nx = tl.load(t_base + offs, mask=offs < lim, other=float("-inf"), eviction_policy=RACE_EVICT)
+        d_nx = tl.load(d_base + offs, mask=offs < tl.minimum(lim, v_d), other=float("-inf"),
+                       eviction_policy=RACE_EVICT)
+        for start in range(lo, hi, TILES * RACE_TILE):
+            tile = start // RACE_TILE + tiles
+            t = t_nx.to(tl.float32) * scale
+            d = d_nx.to(tl.float32) * scale
+            lim = tl.where(start + TILES * RACE_TILE < hi, V, 0)
+            nx = tile[:, None] * RACE_TILE + cols[None, :] + TILES * RACE_TILE
+            t_nx = tl.load(t_base + nx, mask=nx < lim, other=float("-inf"), eviction_policy=RACE_EVICT)
+            d_nx = tl.load(d_base + nx, mask=nx < tl.minimum(lim, v_d), other=float("-inf"),
+                           eviction_policy=RACE_EVICT)
+            best_r, tile_r, best_p, tile_p, mass = _tile_race_update(
+                t, d, lt_r, delta_r, tile, rk_a, rk_b, best_r, tile_r, best_p, tile_p, mass, TILE_BASE, FTZ,
+                FAST_LOG)
+        best_r, win_r = _lanes_winner(best_r, tile_r, NT)
+        best_p, win_p = _lanes_winner(best_p, tile_p, NT)
+        local_id = _in_tile_race(t_base, d_base, tl.where(rejected, win_r, win_p), rejected, lt_r, delta_r,
+                                 scale, rk_a, rk_b, V, v_d, RACE_TILE, FTZ, FAST_LOG)
+    out = ((b.to(tl.int64) * S2 + split) * R + slot) * 6
+    tl.store(race_ptr + out, best_r)
+    tl.store(race_ptr + out + 1, win_r.to(tl.float32))
+    tl.store(race_ptr + out + 2, best_p)
+    tl.store(race_ptr + out + 3, win_p.to(tl.float32))
+    tl.store(race_ptr + out + 4, tl.sum(mass, axis=0))
+    tl.store(race_ptr + out + 5, local_id.to(tl.float32))
+
+
+@triton.jit
 def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy_ptr, seeds_ptr, offsets_ptr,
                  stats_ptr, argmax_ptr, race_ptr, logprob_ptr, alpha_part_ptr, counter_ptr, tokens_ptr,
                  num_accepted_ptr, alpha_ptr, inv_t, V, K, S, chunk, S2, n_stat,
@@ -479,18 +546,22 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
                  COMPUTE_SCORES: tl.constexpr, KP2: tl.constexpr, JP2: tl.constexpr, SP2: tl.constexpr,
                  SP2B: tl.constexpr, TILES: tl.constexpr, RACE_TILE: tl.constexpr, TILE_BASE: tl.constexpr,
                  SINGLE: tl.constexpr, MASS_EPS: tl.constexpr, PDL_WAIT: tl.constexpr, FTZ: tl.constexpr,
-                 FAST_LOG: tl.constexpr, RACE_EVICT: tl.constexpr):
+                 FAST_LOG: tl.constexpr, RACE_EVICT: tl.constexpr, BLOCK_VERIFY: tl.constexpr,
+                 CERTAIN_EPS: tl.constexpr):
     """Accept tests (vectorised over positions), stop position, race over one chunk of the stop row. Grid (B, S2).
 
-    race: [B, S2, 6] fp32 per program (best residual tile score, its tile, best p tile score, its tile, partial
-    residual mass over the chunk, level-2 winner inside this program's best tile; tiles and ids are exact in fp32
-    for V < 2**24); logprob, alpha: [B, K] fp32 and alpha_part [B, K, S2] with COMPUTE_SCORES.
+    race: [B, S2, R, 6] fp32 per program and raced row (best residual tile score, its tile, best p tile score, its
+    tile, partial residual mass over the chunk, level-2 winner inside this program's best tile; tiles and ids are
+    exact in fp32 for V < 2**24): ``R = 1`` token-wise, ``K + 1`` (slot = position) with BLOCK_VERIFY;
+    logprob, alpha: [B, K] fp32 and alpha_part [B, K, S2] with COMPUTE_SCORES.
     The chunk is a whole number of ``TILES * RACE_TILE`` ids: level 1 runs over every tile of it, level 2 over this
     program's best tile only (SINGLE: the chunk is one block, still in registers). The last program of a row to
     arrive (``counter[b]``, zeroed by the statistics kernel) writes the row's outputs (:func:`_finalize_row`).
     PDL_WAIT: launched with programmatic dependent launch; everything that does not read the statistics (row setup,
     random keys, draft logits) runs before ``gdc_wait``. Positions ``>= n_stat`` have no statistics (the bonus
     position of a batch without greedy rows).
+    BLOCK_VERIFY (sampled rows): each program races its chunk of every row the stop can need (from the statistics
+    in registers, :mod:`~specdec.kernels.rejection_sampling_block`); the finalize sums their masses, picks the stop.
     """
     b = tl.program_id(0)
     split = tl.program_id(1)
@@ -520,82 +591,33 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
     acc = real & tl.where(g != 0, acc_g, acc_s)
     stop = tl.min(tl.where(jmask & (js <= n_b) & (~acc), js, JP2), axis=0)
     at_stop = js == stop
-    lt_stop = tl.sum(tl.where(at_stop, lt, 0.0), axis=0)
-    delta_stop = tl.sum(tl.where(at_stop, (md - mt) + tl.log(sd / st), 0.0), axis=0)  # L_d - L_t, accurately
+    delta = (md - mt) + tl.log(sd / st)  # L_d - L_t per position, accurately
     am_stop = tl.sum(tl.where(at_stop, am, 0), axis=0)
-    rejected = stop < n_b
-
     if COMPUTE_SCORES:
         if split == 0:
             tl.store(logprob_ptr + b.to(tl.int64) * K + js, tl.where(real, lp, float("-inf")), mask=draft_mask)
 
-    # exponential race over this program's chunk of the stop row (sampled rows only)
+    # exponential race over this program's chunk of the rows the row can stop at (sampled rows only)
     lo = split * chunk
     hi = tl.where(g == 0, tl.minimum(lo + chunk, V), lo)
-    t_base = target_ptr + (b.to(tl.int64) * (K + 1) + stop) * V
-    d_base = draft_ptr + (b.to(tl.int64) * K + tl.minimum(stop, K - 1)) * V
-    rk_a = tl.sum(tl.where(at_stop, key_a, 0), axis=0)  # keys of position `stop` (one RNG call per row)
-    rk_b = tl.sum(tl.where(at_stop, key_b, 0), axis=0)
-    v_d = tl.where(rejected, V, 0)
-    NT = (V + RACE_TILE - 1) // RACE_TILE  # number of tiles; "no tile" is NT
-    tiles = tl.arange(0, TILES)
-    cols = tl.arange(0, RACE_TILE)
-    mass = tl.zeros([TILES], tl.float32)
-    # level 2 runs on this program's best tile of the race the row most likely uses (the residual after a
-    # rejection, p for a bonus token); the finalize redoes it only in the rare residual-mass fallback
-    if SINGLE:
-        best_r = tl.full([TILES], float("-inf"), tl.float32)
-        tile_r = tl.zeros([TILES], tl.int32) + NT
-        best_p = tl.full([TILES], float("-inf"), tl.float32)
-        tile_p = tl.zeros([TILES], tl.int32) + NT
-        tile = lo // RACE_TILE + tiles
-        offs = tile[:, None] * RACE_TILE + cols[None, :]
-        lim = tl.where(lo < hi, V, 0)
-        t = tl.load(t_base + offs, mask=offs < lim, other=float("-inf"),
-                    eviction_policy=RACE_EVICT).to(tl.float32) * scale
-        d = tl.load(d_base + offs, mask=offs < tl.minimum(lim, v_d), other=float("-inf"),
-                    eviction_policy=RACE_EVICT).to(tl.float32) * scale
-        best_r, tile_r, best_p, tile_p, mass = _tile_race_update(
-            t, d, lt_stop, delta_stop, tile, rk_a, rk_b, best_r, tile_r, best_p, tile_p, mass, TILE_BASE, FTZ,
-            FAST_LOG)
-        best_r, win_r = _lanes_winner(best_r, tile_r, NT)
-        best_p, win_p = _lanes_winner(best_p, tile_p, NT)
-        in_win = tile[:, None] == tl.where(rejected, win_r, win_p)
-        local_id = _block_race(t, d, offs, in_win, rejected, lt_stop, delta_stop, rk_a, rk_b, V, FTZ, FAST_LOG)
-    else:  # blocks in a loop, the next block's loads issued before this block's arithmetic
-        lim = tl.where(lo < hi, V, 0)
-        offs = (lo // RACE_TILE + tiles)[:, None] * RACE_TILE + cols[None, :]
-        t_nx = tl.load(t_base + offs, mask=offs < lim, other=float("-inf"), eviction_policy=RACE_EVICT)
-        d_nx = tl.load(d_base + offs, mask=offs < tl.minimum(lim, v_d), other=float("-inf"),
-                       eviction_policy=RACE_EVICT)
-        best_r = tl.full([TILES], float("-inf"), tl.float32)
-        tile_r = tl.zeros([TILES], tl.int32) + NT
-        best_p = tl.full([TILES], float("-inf"), tl.float32)
-        tile_p = tl.zeros([TILES], tl.int32) + NT
-        for start in range(lo, hi, TILES * RACE_TILE):
-            tile = start // RACE_TILE + tiles
-            offs = tile[:, None] * RACE_TILE + cols[None, :]
-            t = t_nx.to(tl.float32) * scale
-            d = d_nx.to(tl.float32) * scale
-            lim = tl.where(start + TILES * RACE_TILE < hi, V, 0)
-            nx = offs + TILES * RACE_TILE
-            t_nx = tl.load(t_base + nx, mask=nx < lim, other=float("-inf"), eviction_policy=RACE_EVICT)
-            d_nx = tl.load(d_base + nx, mask=nx < tl.minimum(lim, v_d), other=float("-inf"),
-                           eviction_policy=RACE_EVICT)
-            best_r, tile_r, best_p, tile_p, mass = _tile_race_update(
-                t, d, lt_stop, delta_stop, tile, rk_a, rk_b, best_r, tile_r, best_p, tile_p, mass, TILE_BASE, FTZ,
-                FAST_LOG)
-        best_r, win_r = _lanes_winner(best_r, tile_r, NT)
-        best_p, win_p = _lanes_winner(best_p, tile_p, NT)
-        local_id = _in_tile_race(t_base, d_base, tl.where(rejected, win_r, win_p), rejected, lt_stop, delta_stop,
-                                 scale, rk_a, rk_b, V, v_d, RACE_TILE, FTZ, FAST_LOG)
-    out = (b.to(tl.int64) * S2 + split) * 6
-    tl.store(race_ptr + out, best_r)
-    tl.store(race_ptr + out + 1, win_r.to(tl.float32))
-    tl.store(race_ptr + out + 2, best_p)
-    tl.store(race_ptr + out + 3, win_p.to(tl.float32))
-    tl.store(race_ptr + out + 4, tl.sum(mass, axis=0))
-    tl.store(race_ptr + out + 5, local_id.to(tl.float32))
+    if BLOCK_VERIFY:
+        R = K + 1
+        log_w, eta = _block_log_weights(lp, lq, lt, t_x, d_x, delta, real, u, js, JP2)
+        need = tl.where(g != 0, at_stop, _block_rows(log_w, eta, n_b, js, CERTAIN_EPS))
+        for j in range(0, K + 1):
+            sel = js == j
+            if tl.sum(tl.where(sel & need, 1, 0), axis=0) > 0:
+                a_j = tl.sum(tl.where(sel, log_w, 0.0), axis=0)
+                _race_row(target_ptr, draft_ptr, race_ptr, b, j, j, lo, hi, j < n_b,
+                          tl.sum(tl.where(sel, lt, 0.0), axis=0) - a_j, tl.sum(tl.where(sel, delta, 0.0), axis=0) + a_j,
+                          scale, tl.sum(tl.where(sel, key_a, 0), axis=0), tl.sum(tl.where(sel, key_b, 0), axis=0),
+                          V, K, split, S2, R, TILES, RACE_TILE, TILE_BASE, SINGLE, FTZ, FAST_LOG, RACE_EVICT)
+    else:
+        R = 1
+        _race_row(target_ptr, draft_ptr, race_ptr, b, stop, 0, lo, hi, stop < n_b,
+                  tl.sum(tl.where(at_stop, lt, 0.0), axis=0), tl.sum(tl.where(at_stop, delta, 0.0), axis=0),
+                  scale, tl.sum(tl.where(at_stop, key_a, 0), axis=0), tl.sum(tl.where(at_stop, key_b, 0), axis=0),
+                  V, K, split, S2, R, TILES, RACE_TILE, TILE_BASE, SINGLE, FTZ, FAST_LOG, RACE_EVICT)
     greedy_next = tl.where(am_stop < V, am_stop, -1)
 
     if COMPUTE_SCORES:
@@ -620,25 +642,31 @@ def _race_kernel(target_ptr, draft_ptr, draft_tokens_ptr, num_drafts_ptr, greedy
     tl.debug_barrier()
     arrived = tl.atomic_add(counter_ptr + b, 1, sem="acq_rel")
     if arrived == S2 - 1:
-        _finalize_row(draft_tokens_ptr, race_ptr, tokens_ptr, num_accepted_ptr, alpha_part_ptr, alpha_ptr,
-                      t_base, scale, rk_a, rk_b, b, stop, greedy_next, g, rejected, V, K, S2, MASS_EPS,
+        slot = stop * 0
+        if BLOCK_VERIFY:
+            if g == 0:
+                stop = _block_stop(race_ptr, b, K, S2, log_w, eta, need, n_b, js, MASS_EPS, CERTAIN_EPS, SP2B)
+            slot = stop
+        _finalize_row(target_ptr, draft_tokens_ptr, race_ptr, tokens_ptr, num_accepted_ptr, alpha_part_ptr,
+                      alpha_ptr, scale, seed, off, b, stop, slot, greedy_next, g, stop < n_b, V, K, S2, R, MASS_EPS,
                       COMPUTE_SCORES, JP2, SP2B, RACE_TILE)
 
 
 @triton.jit
-def _finalize_row(draft_tokens_ptr, race_ptr, tokens_ptr, num_accepted_ptr, alpha_part_ptr, alpha_ptr,
-                  t_base, scale, rk_a, rk_b, b, stop, greedy_next, g, rejected, V, K, S2,
+def _finalize_row(target_ptr, draft_tokens_ptr, race_ptr, tokens_ptr, num_accepted_ptr, alpha_part_ptr, alpha_ptr,
+                  scale, seed, off, b, stop, slot, greedy_next, g, rejected, V, K, S2, R,
                   MASS_EPS: tl.constexpr, COMPUTE_SCORES: tl.constexpr, JP2: tl.constexpr, SP2: tl.constexpr,
                   RACE_TILE: tl.constexpr):
-    """Combine the level-1 winners of row ``b``'s race programs (ties to the lowest tile) and their residual masses,
-    take the level-2 id of the program holding the winning tile, and write tokens, num_accepted and alpha.
+    """Combine the level-1 winners of row ``b``'s race programs at ``race[b, :, slot]`` (ties to the lowest tile)
+    and their residual masses, take the level-2 id of the program holding the winning tile, and write tokens,
+    num_accepted (``stop``) and alpha.
 
     The residual race counts only after a rejection whose mass exceeds ``MASS_EPS``; in the fallback (rejected,
     mass <= MASS_EPS) the programs ran level 2 on the residual, so the p race's level 2 runs here."""
     ss = tl.arange(0, SP2)
     smask = ss < S2
     nt = (V + RACE_TILE - 1) // RACE_TILE
-    base = (b.to(tl.int64) * S2 + ss) * 6
+    base = ((b.to(tl.int64) * S2 + ss) * R + slot) * 6
     r = tl.load(race_ptr + base, mask=smask, other=float("-inf"), cache_modifier=".cg")
     rt = tl.load(race_ptr + base + 1, mask=smask, other=0.0, cache_modifier=".cg").to(tl.int32)
     p = tl.load(race_ptr + base + 2, mask=smask, other=float("-inf"), cache_modifier=".cg")
@@ -652,6 +680,8 @@ def _finalize_row(draft_tokens_ptr, race_ptr, tokens_ptr, num_accepted_ptr, alph
     win = tl.min(tl.where(smask & (best == top) & (best > float("-inf")), tiles, nt), axis=0)
     sampled = tl.sum(tl.where(smask & (tiles == win), local, 0), axis=0)  # one program holds the winning tile
     if rejected & (not use_r):
+        rk_a, rk_b = stream_keys_tl(seed, off + stop)
+        t_base = target_ptr + (b.to(tl.int64) * (K + 1) + stop) * V
         sampled = _in_tile_race(t_base, t_base, win, False, 0.0, 0.0, scale, rk_a, rk_b, V, 0, RACE_TILE, False,
                                 False)
     sampled = tl.where((win < nt) & (sampled < V), sampled, -1)

@@ -18,7 +18,7 @@ import torch
 import triton
 
 from ._device import DeviceFacts, device_facts
-from .rejection_sampling_reference import RACE_TILE
+from .rejection_sampling_reference import RACE_TILE, VERIFICATIONS
 
 __all__ = ["LaunchPlan", "grid_splits", "logit_bytes", "plan_launch", "statistics_launches", "vocabulary_chunk"]
 
@@ -62,6 +62,8 @@ class LaunchPlan:
         race_tiles: race tiles of 256 ids per race-loop iteration (a power of two).
         race_warps: warps per race program.
         race_splits: vocabulary chunks per row in the race kernel (1 .. 256).
+        verification: ``"token"`` or ``"block"`` (the race kernel's ``BLOCK_VERIFY``; block verification can keep
+            drafts after one whose ratio ``p/q`` is below 1, so it reads every position: no stages, no live skip).
     """
 
     stats_block: int
@@ -79,6 +81,7 @@ class LaunchPlan:
     race_tiles: int
     race_warps: int
     race_splits: int
+    verification: str = "token"
 
     def __post_init__(self) -> None:
         for name in ("stats_block", "stats_warps", "race_tiles", "race_warps"):
@@ -100,15 +103,20 @@ class LaunchPlan:
                              f"launch), got {self.stages!r}")
         if self.fold_scale and not self.fast_math:
             raise ValueError("LaunchPlan.fold_scale needs fast_math (the folded exponent is an ex2.approx)")
+        if self.verification not in VERIFICATIONS:
+            raise ValueError(f"LaunchPlan.verification must be one of {VERIFICATIONS}, got {self.verification!r}")
 
-    def restricted(self, *, batch: int, num_drafts: int, greedy_rows: bool, scores: bool) -> LaunchPlan:
-        """This plan with what a call cannot use turned off: greedy rows need the bonus statistics (their arg-max)
-        and no live skip (block-wide barriers in their loop); scores need every position in one launch; the
-        position-major grid holds fewer than 65536 (row, position) pairs."""
+    def restricted(self, *, batch: int, num_drafts: int, greedy_rows: bool, scores: bool,
+                   verification: str = "token") -> LaunchPlan:
+        """This plan for a call's ``verification``, with what the call cannot use turned off: greedy rows need the
+        bonus statistics (their arg-max) and no live skip (block-wide barriers in their loop); scores need every
+        position in one launch; block verification every position (no stages, no live skip); the position-major
+        grid holds fewer than 65536 (row, position) pairs."""
         pairs = batch * (num_drafts + 1)
+        block = verification == "block"
         return replace(self, skip_bonus=self.skip_bonus and not greedy_rows and num_drafts >= 1,
-                       live_skip=self.live_skip and not (scores or greedy_rows or pairs >= 65536),
-                       stages=() if scores else self.stages)
+                       live_skip=self.live_skip and not (scores or greedy_rows or block or pairs >= 65536),
+                       stages=() if scores or block else self.stages, verification=verification)
 
 
 def _is_int(value: object) -> bool:
@@ -144,7 +152,7 @@ def logit_bytes(batch: int, num_drafts: int, vocab: int, element_size: int) -> i
 
 
 def plan_launch(batch: int, num_drafts: int, vocab: int, dtype: torch.dtype, device: torch.device | DeviceFacts, *,
-                greedy_rows: bool = False, scores: bool = False) -> LaunchPlan:
+                greedy_rows: bool = False, scores: bool = False, verification: str = "token") -> LaunchPlan:
     """The launch plan of one call.
 
     Parameters
@@ -159,6 +167,8 @@ def plan_launch(batch: int, num_drafts: int, vocab: int, dtype: torch.dtype, dev
         The batch may hold greedy rows (a greedy mask, or ``T = 0``).
     scores : bool
         The call computes ``log p(draft)`` and alpha.
+    verification : str
+        ``"token"`` or ``"block"`` (block verification reads every position: no stages, no live skip).
 
     Returns
     -------
@@ -166,12 +176,12 @@ def plan_launch(batch: int, num_drafts: int, vocab: int, dtype: torch.dtype, dev
         Cached per arguments.
     """
     return _plan(batch, num_drafts, vocab, dtype.itemsize, device_facts(device),
-                 greedy_rows, scores)
+                 greedy_rows, scores, verification)
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(batch: int, num_drafts: int, vocab: int, esize: int, facts: DeviceFacts, greedy_rows: bool,
-          scores: bool) -> LaunchPlan:
+          scores: bool, verification: str) -> LaunchPlan:
     gpu = not facts.interpreter
     sms = facts.sm_count
     pairs = batch * (num_drafts + 1)
@@ -237,7 +247,8 @@ def _plan(batch: int, num_drafts: int, vocab: int, esize: int, facts: DeviceFact
         race_warps=race_warps,
         race_splits=grid_splits(vocab, race_tiles * RACE_TILE, batch, race_programs * sms, max_splits),
     )
-    return plan.restricted(batch=batch, num_drafts=num_drafts, greedy_rows=greedy_rows, scores=scores)
+    return plan.restricted(batch=batch, num_drafts=num_drafts, greedy_rows=greedy_rows, scores=scores,
+                           verification=verification)
 
 
 def _stages(batch: int, num_drafts: int, vocab: int, esize: int, nbytes: int) -> tuple[int, ...]:

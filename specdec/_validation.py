@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from specdec.kernels.rejection_sampling_reference import VERIFICATIONS
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 BACKENDS = ("auto", "triton", "torch")
 
@@ -140,6 +142,12 @@ def check_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     return backend
+
+
+def check_verification(verification: str) -> str:
+    if verification not in VERIFICATIONS:
+        raise ValueError(f"verification must be one of {VERIFICATIONS}, got {verification!r}")
+    return verification
 
 
 def use_triton(backend: str, device: torch.device) -> bool:

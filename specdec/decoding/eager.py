@@ -126,13 +126,14 @@ def decode_eager(verifier: torch.nn.Module, drafter: torch.nn.Module | NgramDraf
                  backend: str, row_seeds: torch.Tensor, draft_seeds: torch.Tensor,
                  on_emit: Callable[[int], None], repetition_penalty: float | None = None, min_new_tokens: int = 0,
                  stop: StopStringChecker | None = None, on_tokens: Callable[[torch.Tensor], None] | None = None,
-                 output_logprobs: bool = False) -> DecodeResult:
+                 output_logprobs: bool = False, verification: str = "token") -> DecodeResult:
     """Speculative decoding with dynamic caches; ``draft_lengths`` is one K or the set "auto" chooses from.
 
     ``repetition_penalty`` and ``min_new_tokens`` process both models' logits position by position
     (:mod:`specdec.decoding.processors`); ``stop`` ends rows after a token that completes a stop string;
     ``on_tokens`` receives each round's new tokens of a single row ([1, n] int64 on the CPU);
-    ``output_logprobs`` records each new token's log-probability under the law it was drawn from.
+    ``output_logprobs`` records each new token's log-probability under the law it was drawn from;
+    ``verification`` is the rejection sampler's ("token" or "block").
     """
     device = input_ids.device
     batch, prompt_len = input_ids.shape
@@ -251,7 +252,7 @@ def decode_eager(verifier: torch.nn.Module, drafter: torch.nn.Module | NgramDraf
         if num_drafts:
             result = rejection_sample_unchecked(
                 sampler_target_logits, draft_logits, draft_tokens, 0.0 if greedy else 1.0, backend, row_seeds,
-                stream_pos,
+                stream_pos, verification=verification,
             )
             num_accepted, new_tokens = result.num_accepted, result.tokens
         else:

@@ -30,6 +30,7 @@ from specdec._validation import (
     check_int_range,
     check_temperature,
     check_tensor,
+    check_verification,
     eos_id_list,
 )
 from specdec.compat import SpecdecWarning, pair_positions
@@ -206,6 +207,7 @@ def generate(
     num_return_sequences: int | None = None,
     output_logprobs: bool = False,
     runner: str = "auto",
+    verification: str = "token",
     **hf_options: Any,
 ) -> GenerateOutput:
     """Speculative decoding whose output follows ``verifier`` exactly (greedy or sampled); a drop-in for
@@ -283,6 +285,11 @@ def generate(
     num_return_sequences : int, optional
         n >= 1 continuations of every prompt (rows ``b * n .. b * n + n - 1``), each with its own random stream when
         sampling; greedy gives n equal copies.
+    verification : {"token", "block"}
+        How sampled rounds verify their drafts (:func:`specdec.rejection_sample`): "token" (default; each draft
+        accepted with probability ``min(1, p/q)`` until the first rejection) or "block" (the drafts decided jointly,
+        Sun et al., ICLR 2025: equally lossless, never fewer accepted drafts in expectation). Greedy decoding
+        (``temperature=0``) is the arg-max rule under both.
     runner : {"auto", "native", "hf"}
         What runs a model's decoding steps on the static path. ``"native"``: the native decode runner (Llama,
         Mistral, Qwen2, Qwen3: specdec's kernels over the user's weights, a step costing about its weight reads; it
@@ -389,6 +396,7 @@ def generate(
                 f"{max_drafts + 1} = {most_slots} below the window (shorten the prompt, max_new_tokens or "
                 "num_draft_tokens)")
     check_backend(backend)
+    check_verification(verification)
     verifier_vocab, drafter_vocab = model_vocab_size(verifier, "verifier"), model_vocab_size(drafter_facts, "drafter")
     if vocab_size is None:
         if verifier_vocab != drafter_vocab:
@@ -422,7 +430,7 @@ def generate(
     draft_seeds = row_seeds ^ _DRAFT_STREAM_SALT
     sampling = Sampling(greedy=temperature == 0, top_k=top_k, top_p=top_p,
                         penalise=options.repetition_penalty is not None, ban_eos=min_new > 0,
-                        logprobs=output_logprobs)
+                        logprobs=output_logprobs, verification=verification)
     extras = {"repetition_penalty": options.repetition_penalty, "min_new_tokens": min_new, "stop": stop,
               "on_tokens": None if streamer is None else streamer.put}
 
@@ -447,7 +455,8 @@ def generate(
                                   draft_lengths=draft_lengths, greedy=temperature == 0, temperature=temperature,
                                   top_k=top_k, top_p=top_p, vocab=vocab, eos_ids=eos_ids, pad=pad, backend=backend,
                                   row_seeds=row_seeds, draft_seeds=draft_seeds, on_emit=bar.update,
-                                  output_logprobs=output_logprobs, **extras)
+                                  output_logprobs=output_logprobs, verification=verification,
+                                  **extras)
     finally:
         bar.close()
         if streamer is not None:

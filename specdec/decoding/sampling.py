@@ -11,6 +11,7 @@ from specdec._validation import (
     check_same_device,
     check_temperature,
     check_tensor,
+    check_verification,
     use_triton,
 )
 from specdec.kernels.rejection_sampling_reference import effective_draft_counts, rejection_sample_reference
@@ -55,6 +56,7 @@ def rejection_sample(
     greedy_mask: torch.Tensor | None = None,
     compute_scores: bool = False,
     check_nan: bool = True,
+    verification: str = "token",
 ) -> RejectionSampleOutput:
     """Speculative rejection sampling: the emitted tokens follow the verifier exactly.
 
@@ -62,6 +64,14 @@ def rejection_sample(
     probability ``min(1, p_j(x_j) / q_j(x_j))``; at the first rejection a token is drawn from ``max(0, p_j - q_j)``
     (normalised), and if all drafts are accepted a bonus token is drawn from ``p_K``. ``temperature == 0`` is greedy:
     a draft is accepted iff it equals ``argmax p_j`` (ties to the lowest id).
+
+    ``verification="block"`` decides the drafts jointly (Sun et al., "Block Verification Accelerates Speculative
+    Decoding", ICLR 2025): with ``P_0 = 1`` and ``P_i = min(1, P_{i-1} p_{i-1}(x_{i-1}) / q_{i-1}(x_{i-1}))`` it keeps
+    the first ``tau`` drafts, ``tau`` the largest ``i`` whose test ``eta_i <= W_i / (W_i + 1 - P_i)`` passes
+    (``W_i = sum_x max(0, P_i p_i(x) - q_i(x))``; at ``i = n`` the test is ``eta_i <= P_i``), and draws the next
+    token from ``max(0, P_tau p_tau - q_tau)`` (``p`` after all drafts). Equally lossless, never fewer accepted
+    drafts in expectation, and optimal among schemes that see only these p and q (``docs/rejection_sampling.md``);
+    greedy rows keep the arg-max rule.
 
     Args:
         target_logits: [B, K+1, V] fp32/bf16/fp16 verifier logits at the K draft positions and the bonus position.
@@ -77,6 +87,7 @@ def rejection_sample(
         compute_scores: also return ``log p(draft)`` and ``alpha`` per position.
         check_nan: raise ValueError on NaN or +inf logits, or on a row with no finite logit (all -inf) at a position
             the request can reach (costs one max-reduction and a device sync).
+        verification: "token" (default) or "block".
 
     Returns:
         :class:`RejectionSampleOutput` with ``tokens`` [B, K+1] and ``num_accepted`` [B].
@@ -85,6 +96,7 @@ def rejection_sample(
     check_tensor(draft_logits, "draft_logits", 3, float_dtype=True, shape_doc="[B, K, V]")
     check_tensor(draft_tokens, "draft_tokens", 2, integer_dtype=True, shape_doc="[B, K]")
     temperature = check_temperature(temperature)
+    check_verification(verification)
     batch, num_positions, vocab = target_logits.shape
     num_drafts = num_positions - 1
     if num_drafts < 1:
@@ -150,7 +162,7 @@ def rejection_sample(
     return rejection_sample_unchecked(
         target_logits, draft_logits, draft_tokens, temperature, backend, seeds.to(torch.int64),
         offsets.to(torch.int64), num_draft_tokens=num_draft_tokens, greedy_mask=greedy_mask,
-        compute_scores=compute_scores,
+        compute_scores=compute_scores, verification=verification,
     )
 
 
@@ -166,6 +178,7 @@ def rejection_sample_unchecked(
     num_draft_tokens: torch.Tensor | None = None,
     greedy_mask: torch.Tensor | None = None,
     compute_scores: bool = False,
+    verification: str = "token",
 ) -> RejectionSampleOutput:
     """:func:`rejection_sample` without argument checks (no host sync): for callers such as
     :func:`specdec.generate` that build valid inputs themselves. Same shapes and dtypes; seeds/offsets required."""
@@ -178,6 +191,7 @@ def rejection_sample_unchecked(
     tokens, num_accepted, draft_logprob, alpha = impl(
         target_logits, draft_logits, draft_tokens, seeds, offsets, temperature,
         greedy_mask=greedy_mask, num_draft_tokens=num_draft_tokens, compute_scores=compute_scores,
+        verification=verification,
     )
     return RejectionSampleOutput(tokens, num_accepted, draft_logprob, alpha)
 

@@ -65,6 +65,7 @@ class Sampling:
     penalise: bool = False
     ban_eos: bool = False
     logprobs: bool = False
+    verification: str = "token"  # "token" or "block" (rejection_sample's verification)
 
 
 def _slot_step(model: torch.nn.Module, cache: SlotCache, ids: torch.Tensor, slots: torch.Tensor,
@@ -320,7 +321,8 @@ class StaticEngine:
         else:
             bad = bad | torch.isnan(processed.amax(dim=-1)).any()
             result = rejection_sample_unchecked(processed, torch.stack(draft_logits, dim=1), draft_tokens, 1.0,
-                                                self.backend, self.row_seeds, self.stream_pos)
+                                                self.backend, self.row_seeds, self.stream_pos,
+                                                verification=sampling.verification)
             tokens, num_accepted = result.tokens, result.num_accepted
         logprobs = token_logprobs(processed, tokens) if sampling.logprobs else None
         self._commit(tokens, num_accepted, num_drafts, bad, sampling, logprobs)

@@ -177,7 +177,8 @@ def test_generate_prompts_file_and_sampling_options(capsys, pair_dirs, tmp_path)
     prompts.write_text("the fox\n1+2=3;\n", encoding="utf-8")
     code, out, err = run_cli(capsys, "generate", "--verifier", verifier_dir, "--drafter", drafter_dir,
                              "--prompts-file", str(prompts), "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9",
-                             "--seed", "3", "--max-new-tokens", "4", "--batch-size", "1", "--dtype", "float32")
+                             "--seed", "3", "--max-new-tokens", "4", "--batch-size", "1", "--dtype", "float32",
+                             "--verification", "block")
     assert code == 0, err
     assert "### prompt 1: 'the fox'" in out and "### prompt 2" in out and "2 prompt(s)" in out
     assert "specdec generate: 100%" in err and "2/2" in err, "a progress bar over the prompts"
@@ -193,6 +194,7 @@ def test_generate_prompts_file_and_sampling_options(capsys, pair_dirs, tmp_path)
     (["--temperature", "1e-7"], "--temperature"),
     (["--seed", "-1"], "--seed"),
     (["--eos-token-id", "-5"], "--eos-token-id"),
+    (["--verification", "joint"], "--verification"),
 ])
 def test_generate_bad_options(capsys, pair_dirs, options, message):
     verifier_dir, drafter_dir = pair_dirs
