@@ -12,7 +12,8 @@ from typing import Any
 
 from specdec._validation import check_backend, check_int_at_least, check_int_range, check_number
 
-__all__ = ["METHODS", "PER_CHARACTER_METHODS", "SETTINGS", "WEIGHT_BASES", "FinetuneConfig", "resolve_config"]
+__all__ = ["METHODS", "PER_CHARACTER_METHODS", "SETTINGS", "WEIGHT_BASES", "FinetuneConfig", "check_method_tasks",
+           "resolve_config"]
 
 METHODS = ("scdf", "exact_variance", "uniform_kd", "balanced")
 WEIGHT_BASES = ("ce", "kl", "tv")
@@ -154,3 +155,20 @@ def resolve_config(config: FinetuneConfig | None, settings: Mapping[str, Any]) -
         raise TypeError(f"finetune_drafter() got config= and the setting keyword(s) {names}: give the settings in "
                         f"one place, e.g. config=config.replace({sorted(settings)[0]}=...)")
     return config
+
+
+def check_method_tasks(config: FinetuneConfig, task_names: list[str]) -> None:
+    """ValueError when ``config``'s method would train nothing on these tasks: with one task, the s-CDF weight
+    ``K_1 - min_j K_j`` (without a ``weight_floor``) and the exact-variance weight ``K_1 - Kbar`` are 0, so the
+    drafter would be saved unchanged. The message names the alternatives."""
+    if len(task_names) != 1:
+        return
+    if config.method == "scdf" and config.weight_floor == 0:
+        formula, floor = "K_i - min_j K_j", ", or weight_floor > 0 (the floor becomes its weight)"
+    elif config.method == "exact_variance":
+        formula, floor = "K_i - mean_j K_j", ""
+    else:
+        return
+    raise ValueError(f"method {config.method!r} needs at least 2 tasks: with the one task {task_names[0]!r} its "
+                     f"weight {formula} is 0 and the drafter would not change. Give more tasks, or use method "
+                     f"'uniform_kd' or 'balanced' (distillation on the one task){floor}")
