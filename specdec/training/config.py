@@ -13,7 +13,7 @@ from typing import Any
 from specdec._validation import check_backend, check_int_at_least, check_int_range, check_number
 
 __all__ = ["METHODS", "PER_CHARACTER_METHODS", "SETTINGS", "WEIGHT_BASES", "FinetuneConfig", "check_method_tasks",
-           "resolve_config"]
+           "resolve_config", "zero_weight_formula"]
 
 METHODS = ("scdf", "exact_variance", "uniform_kd", "balanced")
 WEIGHT_BASES = ("ce", "kl", "tv")
@@ -157,18 +157,26 @@ def resolve_config(config: FinetuneConfig | None, settings: Mapping[str, Any]) -
     return config
 
 
-def check_method_tasks(config: FinetuneConfig, task_names: list[str]) -> None:
-    """ValueError when ``config``'s method would train nothing on these tasks: with one task, the s-CDF weight
-    ``K_1 - min_j K_j`` (without a ``weight_floor``) and the exact-variance weight ``K_1 - Kbar`` are 0, so the
-    drafter would be saved unchanged. The message names the alternatives."""
-    if len(task_names) != 1:
-        return
+def zero_weight_formula(config: FinetuneConfig, num_tasks: int) -> str | None:
+    """The per-task weight of ``config``'s method when it is 0 for every one of ``num_tasks`` tasks, so that the
+    method would train nothing and save the drafter unchanged, else None: with one task, the s-CDF weight
+    ``K_i - min_j K_j`` (without a ``weight_floor``) and the exact-variance weight ``K_i - mean_j K_j``."""
+    if num_tasks != 1:
+        return None
     if config.method == "scdf" and config.weight_floor == 0:
-        formula, floor = "K_i - min_j K_j", ", or weight_floor > 0 (the floor becomes its weight)"
-    elif config.method == "exact_variance":
-        formula, floor = "K_i - mean_j K_j", ""
-    else:
+        return "K_i - min_j K_j"
+    if config.method == "exact_variance":
+        return "K_i - mean_j K_j"
+    return None
+
+
+def check_method_tasks(config: FinetuneConfig, task_names: list[str]) -> None:
+    """ValueError naming the alternatives when ``config``'s method would train nothing on these tasks
+    (:func:`zero_weight_formula`)."""
+    formula = zero_weight_formula(config, len(task_names))
+    if formula is None:
         return
+    floor = ", or weight_floor > 0 (the floor becomes its weight)" if config.method == "scdf" else ""
     raise ValueError(f"method {config.method!r} needs at least 2 tasks: with the one task {task_names[0]!r} its "
                      f"weight {formula} is 0 and the drafter would not change. Give more tasks, or use method "
                      f"'uniform_kd' or 'balanced' (distillation on the one task){floor}")
