@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -53,3 +57,58 @@ def cache_argument(model: torch.nn.Module) -> str | None:
     ``past_key_values``), or None when it takes neither."""
     params = inspect.signature(model.forward).parameters
     return next((name for name in ("cache", "past_key_values") if name in params), None)
+
+
+@contextlib.contextmanager
+def eval_mode(*models: object) -> Iterator[None]:
+    """Every submodule of each torch module in ``models`` in eval mode (no dropout: a measurement follows one fixed
+    law) for the block; each submodule's own ``training`` flag is restored afterwards, even on an error."""
+    modes = [(module, module.training) for model in models if isinstance(model, torch.nn.Module)
+             for module in model.modules()]
+    for module, _ in modes:
+        module.training = False
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def pair_in_eval_mode(function: Callable) -> Callable:
+    """Runs ``function(verifier, drafter, ...)`` with both models in :func:`eval_mode` (each submodule's mode restored
+    afterwards)."""
+
+    @functools.wraps(function)
+    def wrapper(verifier: Any, drafter: Any, *args: Any, **kwargs: Any) -> Any:
+        with eval_mode(verifier, drafter):
+            return function(verifier, drafter, *args, **kwargs)
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def float32_logits(model: torch.nn.Module) -> Iterator[None]:
+    """The output head of ``model`` (``get_output_embeddings()``) runs in float32 outside autocast for the block, on
+    its input cast to float32: under bf16 autocast the body still runs in bf16, but the logits [.., V] come out float32
+    instead of rounded to bf16 (their rounding error would bias KL and the s-CDF weights upwards). A model without an
+    output head, or whose head's weight is not float32, is left as it is."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if head is None or weight is None or weight.dtype != torch.float32:
+        yield
+        return
+    had_own = "forward" in vars(head)
+    original = head.forward
+
+    def forward(hidden: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            return original(hidden.float(), *args, **kwargs)
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        if had_own:
+            head.forward = original
+        else:
+            del head.forward

@@ -31,6 +31,7 @@ __all__ = [
     "pair_positions",
     "resolve_vocab_size",
     "shared_vocab_size",
+    "special_token_ids",
     "tokenizer_difference",
 ]
 
@@ -105,6 +106,18 @@ class TextCheck:
         return self.unknown_tokens / self.num_tokens if self.num_tokens else 0.0
 
 
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of ``tokenizer`` that stand for no text: its ``all_special_ids`` and its ``bos_token_id``,
+    ``eos_token_id`` and ``pad_token_id`` where it has them, less the unknown token (which stands for text the
+    tokenizer cannot spell). Empty for None or a tokenizer that names none."""
+    if tokenizer is None:
+        return frozenset()
+    ids = set(getattr(tokenizer, "all_special_ids", None) or [])
+    ids.update(getattr(tokenizer, name, None) for name in ("bos_token_id", "eos_token_id", "pad_token_id"))
+    unk = getattr(tokenizer, "unk_token_id", None)
+    return frozenset(t for t in ids if isinstance(t, int) and not isinstance(t, bool) and t != unk)
+
+
 def _task_parts(name: str, value: Any) -> tuple[list[Any], list[Any]]:
     """``(texts, prompts)`` of one task given as TaskData-like object, a mapping, or a sequence of texts."""
     if isinstance(value, Mapping):
@@ -166,7 +179,7 @@ def check_task_texts(tasks: Mapping[str, Any], tokenizer: Any, *, max_positions:
     limits = [limit for limit in (max_positions, max_length) if limit is not None]
     limit = min(limits) if limits else None
     unk = getattr(tokenizer, "unk_token_id", None)
-    special = set(getattr(tokenizer, "all_special_ids", None) or []) - {unk}
+    special = special_token_ids(tokenizer)
     results: dict[str, TextCheck] = {}
     for name, value in tasks.items():
         texts, prompts = _task_parts(str(name), value)

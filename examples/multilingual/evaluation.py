@@ -3,8 +3,8 @@ figures it does not give, and the verifier's fingerprint (weights and greedy out
 
 Per task T, evaluate's figures (alpha teacher-forced and in generation, tokens and characters per verifier call,
 predicted and measured speed-up, K_T, D_T, TV_T, fitness, ``rho_T`` = characters per token and the per-character rate
-``char_speedup_predicted = rho_T * S(alpha_T) / mean rho``: characters per unit of verifier-step time relative to
-plain decoding at the tasks' mean characters per token), and besides them:
+``char_speedup_predicted = rho_T * S(alpha_T)``: characters per unit of verifier-step time relative to one token per
+verifier call), and besides them:
 
 * ``char_rate_generation = chars_per_call / (K c + 1)``: characters per unit of verifier-step time from the
   characters measured in generation;

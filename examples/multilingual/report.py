@@ -2,7 +2,7 @@
 
 For every pair of the language experiment (and the pair of the domain experiment): one table per token and one per
 character with a line per variant (mean / worst alpha, alpha std, U on K_T and D_T, predicted and measured speed-up
-spreads; per character the rate ``rho_T S_T / mean rho`` with its max/min, characters per verifier call, U on
+spreads; per character the rate ``rho_T S_T`` with its max/min, characters per verifier call, U on
 ``D_T / rho_T``),
 per-language alpha and rate tables, the comparisons the experiment asks for (against uniform distillation, as
 measured), the DDP comparison where a variant was run by one and by several processes, and two figures per pair.
@@ -126,8 +126,8 @@ def _pair_tables(runs: dict[str, dict[str, Any]], dominant: str | None) -> list[
                 s.get("eval_seconds")]
         table.append(row)
     lines += markdown_table(headers, table)
-    lines += ["", "Per character (ρ_T = characters per token, rate = ρ_T·S(α_T)/mean ρ: characters per verifier-step "
-              "time relative to plain decoding at the tasks' mean characters per token):", ""]
+    lines += ["", "Per character (ρ_T = characters per text token, rate = ρ_T·S(α_T): characters per verifier-step "
+              "time relative to one token per verifier call):", ""]
     headers = ["variant", "rate mean", "worst rate (task)", "rate max/min", "chars/call mean", "chars/call max/min",
                "rate from generation max/min", "rate measured max/min", "U on D_T/ρ_T", "Spearman(fitness, rate)",
                "Spearman(data share, rate)"]
@@ -142,7 +142,7 @@ def _pair_tables(runs: dict[str, dict[str, Any]], dominant: str | None) -> list[
     lines += markdown_table(headers, table)
     tasks = [r["task"] for r in runs[variants[0]]["tasks"]]
     for key, title in (("alpha", "α_T per task (teacher-forced)"), ("alpha_measured", "α per task (generation)"),
-                       ("char_speedup_predicted", "ρ_T·S(α_T)/mean ρ per task"),
+                       ("char_speedup_predicted", "ρ_T·S(α_T) per task"),
                        ("speedup_measured", "S measured per task")):
         if not any(r.get(key) is not None for run in runs.values() for r in run["tasks"]):
             continue
@@ -228,7 +228,7 @@ def _ddp_lines(all_runs: dict[tuple, dict[str, Any]], ddp_rows: list[dict[str, A
 
 
 def plot_pair(runs: dict[str, dict[str, Any]], title: str, path_stem: Path) -> list[Path]:
-    """Grouped bars per task: α_T and ρ_T·S(α_T)/mean ρ, one bar per variant."""
+    """Grouped bars per task: α_T and ρ_T·S(α_T), one bar per variant."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -238,7 +238,7 @@ def plot_pair(runs: dict[str, dict[str, Any]], title: str, path_stem: Path) -> l
     tasks = [r["task"] for r in runs[variants[0]]["tasks"]]
     paths = []
     for key, label in (("alpha", "α_T (teacher-forced)"),
-                       ("char_speedup_predicted", "ρ_T·S(α_T)/mean ρ (characters per verifier-step time)")):
+                       ("char_speedup_predicted", "ρ_T·S(α_T) (characters per verifier-step time)")):
         fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(tasks) * max(1, len(variants) / 4)), 4.5),
                                layout="constrained")
         width = 0.8 / len(variants)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from specdec._seeding import derive_seed
+from specdec.compat import special_token_ids
 
 from . import corpus as corpus_module
 from .config import PipelineConfig, finetune_config
@@ -194,9 +195,11 @@ def _initial_drafter(ctx: Context, verifier: torch.nn.Module, pair: str) -> torc
     return load_model(ctx.models_dir(), pair, dtype=torch.float32, device=ctx.device)
 
 
-def _chars_per_token(texts: list[str], encoded: list[list[int]]) -> float:
-    """rho as :func:`specdec.finetune_drafter` measures it: characters over token ids (``<bos>``, ``<eos>`` counted)."""
-    return sum(len(t) for t in texts) / sum(len(ids) for ids in encoded)
+def _chars_per_token(tokenizer: Any, texts: list[str], encoded: list[list[int]]) -> float:
+    """rho as :func:`specdec.finetune_drafter` measures it: characters over text tokens (``<bos>``, ``<eos>`` and the
+    other special tokens left out)."""
+    special = special_token_ids(tokenizer)
+    return sum(len(t) for t in texts) / sum(1 for ids in encoded for t in ids if t not in special)
 
 
 def _task_data(ctx: Context, tokenizer: Any, corpus: Corpus, experiment: str) -> dict[str, Any]:
@@ -216,7 +219,7 @@ def _task_data(ctx: Context, tokenizer: Any, corpus: Corpus, experiment: str) ->
         if not texts:
             raise ValueError(f"task {name!r} has no training texts in {ctx.work / 'corpus'}")
         train[name] = encode(tokenizer, texts)
-        rho[name] = _chars_per_token(texts, train[name])
+        rho[name] = _chars_per_token(tokenizer, texts, train[name])
         held_texts = corpus.texts("heldout", lang, domain)
         if not held_texts:
             raise ValueError(f"task {name!r} has no held-out texts in {ctx.work / 'corpus'}")

@@ -10,19 +10,22 @@ benchmarks asked for without a source checkout). Errors are one message on stder
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from specdec.cli.finetune import command_finetune
 from specdec.cli.loading import (
     DTYPES,
     CommandError,
     UsageError,
     check_output_folder,
+    default_threads,
     load_pair,
     load_task_source,
 )
@@ -197,6 +200,26 @@ def _add_input_options(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--no-special-tokens", action="store_true",
                         help=f"do not add the tokenizer's special tokens (BOS etc.) to {what}")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                        help="torch CPU threads; more threads than idle cores slow torch down many times over "
+                             "(default: the cores found idle at the start, at most torch's own default)")
+
+
+@contextlib.contextmanager
+def _torch_threads(args: argparse.Namespace) -> Iterator[None]:
+    """torch's CPU threads set to ``--threads`` (or :func:`specdec.cli.loading.default_threads`) while a command
+    with that option runs, and put back after."""
+    if not hasattr(args, "threads"):
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(args.threads or default_threads())
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _subcommand(commands: Any, name: str, handler: Any, *, help: str, description: str,
@@ -325,72 +348,6 @@ def command_evaluate(args: argparse.Namespace) -> int:
     written = _write_report(report, args.output_dir, f"specdec fairness report: {args.tasks}")
     if written:
         print("wrote " + ", ".join(str(path) for path in written))
-    return 0
-
-
-def command_finetune(args: argparse.Namespace) -> int:
-    """Finetune the drafter with s-CDF or a baseline and save it (with the tokenizer) to ``--output``."""
-    from specdec.training.finetune import PER_CHARACTER_METHODS, FinetuneConfig, check_seq_len, finetune_drafter
-
-    if args.per_character and args.method not in PER_CHARACTER_METHODS:
-        raise UsageError(f"argument --per-character: needs --method {' or '.join(PER_CHARACTER_METHODS)} (the methods "
-                         f"with per-task weights), got --method {args.method}")
-    try:
-        config = FinetuneConfig(method=args.method, weight_basis=args.weight_basis, weight_floor=args.weight_floor,
-                                steps=args.steps, batch_size_per_task=args.batch_size_per_task, seq_len=args.seq_len,
-                                lr=args.lr, eval_every=args.eval_every, eval_fraction=args.eval_fraction,
-                                eval_examples=args.eval_examples, split_seed=args.split_seed,
-                                checkpoint_dir=args.checkpoint_dir, resume=not args.no_resume, seed=args.seed,
-                                per_character=args.per_character)
-    except (TypeError, ValueError) as error:
-        raise UsageError(str(error)) from None
-    tasks = load_task_source(args.tasks, args.max_examples, args.task_names)
-    texts = {name: list(task.texts or task.prompts) for name, task in tasks.items()}
-    eval_texts = None
-    if args.eval_tasks is not None:
-        eval_texts = {name: list(task.texts or task.prompts)
-                      for name, task in load_task_source(args.eval_tasks, args.max_examples, args.task_names).items()}
-    check_output_folder(args.output, "--output")
-    if args.output.exists() and any(args.output.iterdir()) and not args.overwrite:
-        raise UsageError(f"argument --output: {args.output} exists and is not empty (pass --overwrite)")
-    if args.checkpoint_dir is not None:
-        check_output_folder(args.checkpoint_dir, "--checkpoint-dir")
-    verifier, drafter, tokenizer, vocab_size = load_pair(args)
-    try:
-        check_seq_len(config.seq_len, verifier, drafter)
-    except ValueError as error:
-        raise UsageError(f"argument --seq-len: {error}") from None
-    result = finetune_drafter(
-        drafter, verifier, texts, config=config, tokenizer=tokenizer, progress=not args.no_progress,
-        eval_tasks=eval_texts, add_special_tokens=not args.no_special_tokens,
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, vocab_size=vocab_size,
-    )
-    args.output.mkdir(parents=True, exist_ok=True)
-    drafter.save_pretrained(args.output)
-    tokenizer.save_pretrained(args.output)
-    first, last = result.initial, result.final
-    print(f"method {result.method}, weight basis {result.weight_basis}, {result.steps} steps")
-    if result.held_out is not None:
-        counts = sorted({len(indices) for indices in result.held_out.values()})
-        print(f"evaluated on {'-'.join(map(str, counts[::max(len(counts) - 1, 1)]))} held-out text(s) per task, "
-              f"not trained on (--eval-fraction {config.eval_fraction:g}, --split-seed {config.split_seed})")
-    elif eval_texts is not None:
-        print(f"evaluated on --eval-tasks {args.eval_tasks}")
-    else:
-        print("evaluated on training texts (--eval-fraction 0): the U and α figures measure fit, not held-out "
-              "performance")
-    per_token = ", per token" if config.per_character else ""
-    label = f"U ({result.weight_basis}{', per character' if config.per_character else ''})"
-    print(f"| step | {label} | U (CE{per_token}) | U (KL{per_token}) | mean α | worst α | worst task |\n"
-          "|---|---|---|---|---|---|---|")
-    for entry in result.history:
-        print(f"| {entry['step']} | {entry['U']:.4g} | {entry['U_ce']:.4g} | {entry['U_kl']:.4g} | "
-              f"{entry['mean_alpha']:.4g} | {entry['worst_alpha']:.4g} | {entry['worst_task']} |")
-    change = (last["U"] - first["U"]) / first["U"] if first["U"] else 0.0
-    print(f"{label} {first['U']:.4g} -> {last['U']:.4g} ({change:+.0%}); "
-          f"mean α {first['mean_alpha']:.4g} -> {last['mean_alpha']:.4g}; worst α {first['worst_alpha']:.4g} -> "
-          f"{last['worst_alpha']:.4g}")
-    print(f"saved the finetuned drafter to {args.output}")
     return 0
 
 
@@ -569,9 +526,10 @@ def build_parser() -> argparse.ArgumentParser:
     finetune.add_argument("--eval-every", type=_positive_int, default=50,
                           help="steps between evaluations; one runs at the start and at the end too (default: 50)")
     finetune.add_argument("--checkpoint-dir", type=Path, default=None,
-                          help="write a checkpoint here and resume from it (default: no checkpoints)")
+                          help="write a checkpoint here every --eval-every steps and on Ctrl-C, and resume from it "
+                               "(default: OUTPUT.checkpoint beside --output, removed once the drafter is saved)")
     finetune.add_argument("--no-resume", action="store_true",
-                          help="start afresh even if --checkpoint-dir holds a checkpoint")
+                          help="start afresh even if the checkpoint folder holds a checkpoint")
     finetune.add_argument("--max-examples", type=_positive_int, default=None,
                           help="the first N texts of every task (default: all)")
     finetune.add_argument("--seed", type=_seed, default=0,
@@ -648,9 +606,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if passthrough:
         args.script_args = passthrough
+    args.argv = argv  # e.g. for the command that resumes an interrupted finetune
     subparser_prog = f"{PROGRAM} {args.command}"
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _torch_threads(args):
             _show_specdec_warnings(subparser_prog)
             return int(args.handler(args) or 0)
     except UsageError as error:

@@ -7,6 +7,8 @@ are compared where their folders have one, and output sizes that differ must be 
 from __future__ import annotations
 
 import argparse
+import os
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -189,3 +191,44 @@ def load_task_source(source: Path | str, max_examples: int | None,
         raise UsageError(f"argument --task-names: {error}") from None
     except TaskFileError as error:
         raise CommandError(str(error)) from None
+
+
+def idle_cpus(interval: float = 0.1) -> float | None:
+    """How many of the CPUs this process may run on were idle over the next ``interval`` seconds (idle and iowait
+    time over all time, summed over those CPUs, from ``/proc/stat``); None where that cannot be read (not Linux)."""
+
+    def sample(allowed: set[int]) -> dict[int, tuple[int, int]]:
+        times = {}
+        with open("/proc/stat", encoding="ascii") as stat:
+            for line in stat:
+                name, *values = line.split()
+                if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in allowed:
+                    ticks = [int(v) for v in values[:8]]  # user nice system idle iowait irq softirq steal
+                    times[int(name[3:])] = (ticks[3] + ticks[4], sum(ticks))
+        return times
+
+    try:
+        allowed = os.sched_getaffinity(0)
+        before = sample(allowed)
+        time.sleep(interval)
+        after = sample(allowed)
+    except (AttributeError, OSError, ValueError, IndexError):
+        return None
+    idle = 0.0
+    for cpu in before.keys() & after.keys():
+        total = after[cpu][1] - before[cpu][1]
+        if total > 0:
+            idle += (after[cpu][0] - before[cpu][0]) / total
+    return idle if before else None
+
+
+def default_threads() -> int:
+    """torch CPU threads for a command run without ``--threads``: the CPUs found idle (:func:`idle_cpus`, rounded,
+    at least 1), at most torch's own default (its current thread count); torch's default where idleness is unknown.
+    More threads than idle cores make torch's threads wait on each other (a command next to one busy process ran
+    about 20 times slower)."""
+    import torch
+
+    limit = torch.get_num_threads()
+    idle = idle_cpus()
+    return limit if idle is None else max(1, min(limit, int(idle + 0.5)))

@@ -12,18 +12,17 @@ fall back to it, and ``stats.fallback_reason`` says why.
 
 from __future__ import annotations
 
-import functools
 import numbers
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from specdec._models import check_model_pair, model_device, model_vocab_size, sliding_window
+from specdec._models import check_model_pair, model_device, model_vocab_size, pair_in_eval_mode, sliding_window
 from specdec._validation import (
     check_backend,
     check_int_at_least,
@@ -158,26 +157,7 @@ class GenerateOutput:
     logprobs: torch.Tensor | None = None
 
 
-def _in_eval_mode(function: Callable) -> Callable:
-    """Runs ``function(verifier, drafter, ...)`` with both models in eval mode (no dropout: the law the output follows
-    is the deterministic verifier's) and restores every submodule's mode afterwards."""
-
-    @functools.wraps(function)
-    def wrapper(verifier: torch.nn.Module, drafter: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        modes = [(module, module.training) for model in (verifier, drafter) if isinstance(model, torch.nn.Module)
-                 for module in model.modules()]
-        for module, _ in modes:
-            module.training = False
-        try:
-            return function(verifier, drafter, *args, **kwargs)
-        finally:
-            for module, training in modes:
-                module.training = training
-
-    return wrapper
-
-
-@_in_eval_mode
+@pair_in_eval_mode
 @torch.no_grad()
 def generate(
     verifier: torch.nn.Module,
@@ -206,7 +186,7 @@ def generate(
     repetition_penalty: float | None = None,
     num_return_sequences: int | None = None,
     output_logprobs: bool = False,
-    runner: str = "auto",
+    runner: str = "hf",
     verification: str = "token",
     **hf_options: Any,
 ) -> GenerateOutput:
@@ -294,8 +274,9 @@ def generate(
         What runs a model's decoding steps on the static path. ``"native"``: the native decode runner (Llama,
         Mistral, Qwen2, Qwen3: specdec's kernels over the user's weights, a step costing about its weight reads; it
         implies the static path, also on the CPU); a model it cannot run keeps its HF forward and
-        ``stats.fallback_reason`` says why. ``"auto"`` (default): native for every model it can run. ``"hf"``: each
-        model's own forward. ``stats.runner`` reports the runner used. Models on the native runner are not compiled.
+        ``stats.fallback_reason`` says why. ``"auto"``: native for every model it can run. ``"hf"`` (default): each
+        model's own forward (the native runner is opt-in until its GPU test suite runs clean). ``stats.runner``
+        reports the runner used. Models on the native runner are not compiled.
     output_logprobs : bool
         Also return ``logprobs`` [B * n, generated] float32: the log-probability of each new token under the
         verifier's law it was drawn from, ``log_softmax(processed logits)`` (greedy: processors, temperature 1).

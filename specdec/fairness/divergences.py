@@ -127,6 +127,17 @@ def _check_weights(weights: torch.Tensor | None, num_rows: int, check_values: bo
         raise ValueError("weights must be finite (no NaN or inf)")
 
 
+def _check_loss_order(drafter_requires_grad: bool, verifier_logits: torch.Tensor, function: str,
+                      drafter_name: str) -> None:
+    """ValueError when ``verifier_logits`` requires grad and the drafter's input does not: the arguments of
+    ``function`` were most likely given in :func:`divergence`'s order (verifier first), which would otherwise fail
+    only at ``backward()``."""
+    if verifier_logits.requires_grad and not drafter_requires_grad:
+        raise ValueError(f"{function}: verifier_logits requires grad and {drafter_name} does not, so the arguments "
+                         f"look swapped: {function} takes the drafter's first ({function}({drafter_name}, "
+                         "verifier_logits, ...)), divergence() the verifier's; pass them by keyword to be sure")
+
+
 def _check_reduction(reduction: str) -> str:
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
@@ -239,6 +250,10 @@ def divergence_loss(
 ) -> torch.Tensor:
     """Weighted drafter cross-entropy ``L = sum_n w_n H(p_n, q_n)``; gradient only to ``drafter_logits``.
 
+    The drafter's logits come first (the trained argument first, as in ``torch.nn.functional.cross_entropy``), the
+    reverse of :func:`divergence`; keywords avoid the question. A call in :func:`divergence`'s order, with
+    ``verifier_logits`` requiring grad and ``drafter_logits`` not, raises ValueError at once (it could not train).
+
     ``dL / d drafter_logits[n] = w_n (q_n - p_n) / T`` (times ``1 / count`` for ``"mean"``); the verifier is treated
     as a constant (detached). Since ``H = H(p) + KL(p || q)`` and H(p) is constant, this is also the KL gradient.
 
@@ -267,6 +282,7 @@ def divergence_loss(
         reads the logits once (``kernels/divergence_cluster.py``); elsewhere one program per row reads them twice.
     """
     num_rows, _ = _check_logit_pair(drafter_logits, verifier_logits, "drafter_logits", "verifier_logits")
+    _check_loss_order(drafter_logits.requires_grad, verifier_logits, "divergence_loss", "drafter_logits")
     temperature = check_temperature(temperature, allow_zero=False)
     reduction = _check_reduction(reduction)
     _check_weights(weights, num_rows, check_values=check_inputs)
@@ -292,6 +308,8 @@ def fused_linear_divergence_loss(
 ) -> torch.Tensor:
     """:func:`divergence_loss` of ``drafter_logits = drafter_hidden @ lm_head_weight.T`` without storing them whole.
 
+    ``verifier_logits`` requiring grad while neither drafter input does raises ValueError (arguments swapped).
+
     Args:
         drafter_hidden: [N, H] drafter hidden states (fp32/bf16/fp16).
         lm_head_weight: [V, H] drafter LM-head weight, same dtype.
@@ -313,6 +331,8 @@ def fused_linear_divergence_loss(
     check_tensor(drafter_hidden, "drafter_hidden", 2, float_dtype=True, shape_doc="[N, H]")
     check_tensor(lm_head_weight, "lm_head_weight", 2, float_dtype=True, shape_doc="[V, H]")
     check_tensor(verifier_logits, "verifier_logits", 2, float_dtype=True, shape_doc="[N, V]")
+    _check_loss_order(drafter_hidden.requires_grad or lm_head_weight.requires_grad, verifier_logits,
+                      "fused_linear_divergence_loss", "drafter_hidden")
     num_rows, hidden = drafter_hidden.shape
     vocab = lm_head_weight.shape[0]
     if lm_head_weight.shape[1] != hidden:

@@ -31,15 +31,16 @@ from __future__ import annotations
 
 import math
 import statistics
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from specdec._models import check_model_pair
+from specdec._models import check_model_pair, pair_in_eval_mode
 from specdec._validation import check_backend, check_int_at_least, check_int_range, check_temperature
-from specdec.compat import check_task_texts, pair_positions, shared_vocab_size
+from specdec.compat import SpecdecWarning, check_task_texts, pair_positions, shared_vocab_size, special_token_ids
 from specdec.decoding.ngram import as_ngram_drafter, drafter_model
 from specdec.fairness.metrics import expected_tokens_per_call, speedup, speedup_lower_bounds
 from specdec.fairness.report import FairnessReport, TaskFairness
@@ -87,8 +88,9 @@ _BOUND_TOL = 1e-5
 class TaskData:
     """One task: ``prompts`` for real speculative-decoding runs, ``texts`` for teacher-forced divergences.
 
-    Each is a list of strings (needs a tokenizer) or of token-id lists, or None. A plain sequence given as a task to
-    :func:`evaluate` is taken as ``texts``; a mapping may have the keys ``"prompts"`` and ``"texts"``.
+    Each is a list of strings (needs a tokenizer) or of token-id lists, or None; an empty list counts as None when
+    the other is given (a task with prompts alone is measured on generation alone). A plain sequence given as a task
+    to :func:`evaluate` is taken as ``texts``; a mapping may have the keys ``"prompts"`` and ``"texts"``.
     """
 
     prompts: list[str] | list[list[int]] | None = None
@@ -115,11 +117,11 @@ def _as_task_data(name: str, value: object) -> TaskData:
         if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
             raise TypeError(f"tasks[{name!r}].{field_name} must be a list of strings or token-id lists, "
                             f"got {type(items).__name__}")
-        if len(items) == 0:
-            raise ValueError(f"tasks[{name!r}].{field_name} is empty")
-    if data.prompts is None and data.texts is None:
-        raise ValueError(f"tasks[{name!r}] has neither prompts nor texts")
-    return data
+    prompts = list(data.prompts) if data.prompts else None
+    texts = list(data.texts) if data.texts else None
+    if prompts is None and texts is None:
+        raise ValueError(f"tasks[{name!r}] has neither prompts nor texts (both are missing or empty)")
+    return TaskData(prompts=prompts, texts=texts)
 
 
 # ------------------------------------------------------------------------------------------------- aggregates
@@ -190,9 +192,11 @@ def _spread(values: Sequence[float], prefix: str) -> dict[str, float | None]:
 
 
 def _generation_figures(runs: Sequence[SpeculativeRun], tokenizer: Any) -> dict[str, float | int | None]:
-    """Acceptance, tokens and characters per verifier call of a task's :func:`specdec.generate` runs."""
+    """Acceptance, tokens and characters per verifier call of a task's :func:`specdec.generate` runs; the characters
+    per token of the generated text (``gen_chars_per_token``) count its text tokens only (an emitted eos is none)."""
     drafted = accepted = generated = calls = tested = accepted_tested = prompts = 0
-    chars = 0
+    chars = text_tokens = 0
+    special = special_token_ids(tokenizer)
     for run in runs:
         stats = run.output.stats
         prompts += run.output.sequences.shape[0]
@@ -206,19 +210,53 @@ def _generation_figures(runs: Sequence[SpeculativeRun], tokenizer: Any) -> dict[
             width, sequences = run.prompt_width, run.output.sequences.tolist()
             for row, length in zip(sequences, stats.generated.tolist(), strict=True):
                 chars += decoded_length(tokenizer, row[width:width + length])  # an emitted eos is no text
+                text_tokens += sum(1 for t in row[width:width + length] if t not in special)
     # Every row's first verifier call is its prompt pass, which emits one token: per call means per round after it,
     # the measured counterpart of E[N] (as SpecDecodeStats.tokens_per_round).
     rounds = calls - prompts
     tokens_per_call = (generated - prompts) / rounds if rounds > 0 else float("nan")
-    chars_per_token = chars / generated if (tokenizer is not None and generated) else None
+    # characters per emitted token (an eos among them, with no characters) times emitted tokens per round
+    chars_per_emitted = chars / generated if (tokenizer is not None and generated) else None
     return {
         "num_prompts": prompts, "generated_tokens": generated,
         "alpha_measured": accepted_tested / tested if tested else None,
         "acceptance_rate": accepted / drafted if drafted else None,
         "tokens_per_call": tokens_per_call,
-        "chars_per_call": chars_per_token * tokens_per_call if chars_per_token is not None else None,
-        "gen_chars_per_token": chars_per_token,
+        "chars_per_call": chars_per_emitted * tokens_per_call if chars_per_emitted is not None else None,
+        "gen_chars_per_token": chars / text_tokens if (tokenizer is not None and text_tokens) else None,
     }
+
+
+def _used_texts(name: str, tokens: list[list[int]], max_length: int | None) -> tuple[list[list[int]], list[int]]:
+    """The texts of task ``name`` that are teacher-forced, cut to ``max_length`` tokens, and their indices: those of
+    at least 2 tokens (a prefix and its next token). A :class:`SpecdecWarning` names the task and how many were left
+    out; ValueError when none is left."""
+    cut = [list(t)[:max_length] if max_length else list(t) for t in tokens]
+    used = [index for index, ids in enumerate(cut) if len(ids) >= 2]
+    if not used:
+        raise ValueError(f"tasks[{name!r}].texts has no text of at least 2 tokens (nothing to teacher-force)")
+    if len(used) < len(cut):
+        warnings.warn(f"task {name!r}: {len(cut) - len(used)} of its {len(cut)} texts have fewer than 2 tokens and are "
+                      f"left out of its figures (num_texts = {len(used)})", SpecdecWarning, stacklevel=3)
+    return [cut[index] for index in used], used
+
+
+def _chars_per_token(tokens: list[list[int]], kept: list[list[int]], chars: list[int | None],
+                     tokenizer: Any) -> float | None:
+    """rho = characters / text tokens over the teacher-forced part of each text: ``tokens`` [text] its ids, ``kept``
+    the ids left after the cut, ``chars`` its characters (None: unknown, then rho is None). Text tokens leave out the
+    tokenizer's special tokens (BOS etc., :func:`specdec.compat.special_token_ids`); a cut text's characters are
+    counted pro rata of its text tokens kept."""
+    if not chars or any(ch is None for ch in chars):
+        return None
+    special = special_token_ids(tokenizer)
+    total_chars = total_tokens = 0.0
+    for ids, part, ch in zip(tokens, kept, chars, strict=True):
+        text = sum(1 for t in ids if t not in special)
+        text_kept = sum(1 for t in part if t not in special)
+        total_tokens += text_kept
+        total_chars += ch * text_kept / text if text else 0.0
+    return total_chars / total_tokens if total_tokens else None
 
 
 def _check_bounds(row: TaskFairness, temperature: float) -> list[str]:
@@ -241,6 +279,7 @@ def _check_bounds(row: TaskFairness, temperature: float) -> list[str]:
     return violations
 
 
+@pair_in_eval_mode
 def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
              tasks: Mapping[str, TaskData | Mapping[str, Any] | Sequence[Any]], *, tokenizer: Any = None,
              num_draft_tokens: int = 4, temperature: float = 1.0, max_new_tokens: int = 32, batch_size: int = 8,
@@ -250,6 +289,9 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
              vocab_size: int | None = None, add_special_tokens: bool = False, wall_clock: bool = True,
              wall_clock_repeats: int = 3, wall_clock_baseline: str = "hf") -> FairnessReport:
     """Measure how unequally a drafter-verifier pair accelerates each task.
+
+    Both models run in eval mode for the call (no dropout: a model in train mode, such as a freshly built or a
+    finetuned one, would give figures that change from call to call) and every submodule's mode is restored after.
 
     Args:
         verifier, drafter: Hugging Face causal LMs on one device sharing a vocabulary (neither is modified; both run
@@ -262,7 +304,10 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
         num_draft_tokens: K drafts per round (>= 1). temperature: >= 0, 0 is greedy (see
             :func:`divergences_from_logits`).
         max_new_tokens: tokens generated per prompt. batch_size: sequences per forward / generate call.
-        max_examples: use at most this many prompts and texts per task. max_length: truncate texts to this many tokens.
+        max_examples: use at most this many prompts and texts per task (the rest are neither checked nor encoded).
+        max_length: truncate texts to this many tokens. A text left with fewer than 2 tokens has no prefix to
+            teacher-force: it is left out of every figure (``num_texts`` counts the texts used,
+            ``num_texts_dropped`` the others) with a :class:`specdec.compat.SpecdecWarning`.
         cost_ratio: c = t_drafter / t_verifier for the predicted speed-ups: a number (reported as given), a
             :class:`CostRatio` (reported with its own source, e.g. one measured once for several evaluations), or
             None to measure it with :func:`measure_decode_costs` on the decoding step of :func:`specdec.generate`
@@ -279,6 +324,12 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
             verifier's ``generate`` over the prompts. wall_clock_repeats: timed repetitions (>= 1).
         wall_clock_baseline: ``"hf"`` (the verifier's ``generate``) or ``"specdec"`` (``specdec.generate`` with no
             drafts on the same path: the speed-up of speculation alone, what ``speedup_predicted`` predicts).
+
+    Per character (with a tokenizer): ``chars_per_token`` is rho_T = characters of the task's texts (as used, a cut
+    text pro rata) over their text tokens, special tokens such as BOS and EOS left out (without texts: those of the
+    generated text); ``char_speedup_predicted = rho_T * S(alpha_T)`` and ``char_speedup_predicted_generation = rho_T *
+    speedup_predicted_generation``, characters per unit of verifier-step time relative to one token per verifier
+    call (each task's figure depends on that task alone).
 
     Returns:
         :class:`FairnessReport`.
@@ -306,6 +357,10 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
     if tokenizer is not None and not (hasattr(tokenizer, "encode") and hasattr(tokenizer, "decode")):
         raise TypeError("tokenizer must have encode(text, add_special_tokens=False) and decode(ids) methods")
     data = {str(name): _as_task_data(str(name), value) for name, value in tasks.items()}
+    if max_examples is not None:  # only what is used is checked, encoded and measured
+        data = {name: TaskData(prompts=task.prompts[:max_examples] if task.prompts else None,
+                               texts=task.texts[:max_examples] if task.texts else None)
+                for name, task in data.items()}
     if wall_clock_baseline not in WALL_CLOCK_BASELINES:
         raise ValueError(f"wall_clock_baseline must be one of {WALL_CLOCK_BASELINES}, got {wall_clock_baseline!r}")
     if wall_clock and wall_clock_baseline == "hf" and any(task.prompts is not None for task in data.values()):
@@ -334,13 +389,12 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
     for name, task in tqdm(data.items(), desc="fairness", disable=not progress):
         row = TaskFairness(name=name)
         if task.texts is not None:
-            texts = list(task.texts)[:max_examples]
-            tokens, chars = encode_items(texts, tokenizer, f"tasks[{name!r}].texts", add_special_tokens, id_limit)
-            div = task_divergences(verifier, drafter, {name: tokens}, batch_size=batch_size, temperature=temperature,
-                                   backend=backend, max_length=max_length, pad_token_id=pad_token_id,
-                                   vocab_size=id_limit)[name]
+            tokens, chars = encode_items(task.texts, tokenizer, f"tasks[{name!r}].texts", add_special_tokens, id_limit)
+            kept, used = _used_texts(name, tokens, max_length)
+            div = task_divergences(verifier, drafter, {name: kept}, batch_size=batch_size, temperature=temperature,
+                                   backend=backend, pad_token_id=pad_token_id, vocab_size=id_limit)[name]
             m = div.means()
-            row.num_texts, row.num_tokens = len(texts), div.num_tokens
+            row.num_texts, row.num_texts_dropped, row.num_tokens = len(used), len(tokens) - len(used), div.num_tokens
             row.alpha, row.cross_entropy, row.kl, row.tv, row.entropy = (m["alpha"], m["cross_entropy"], m["kl"],
                                                                         m["tv"], m["entropy"])
             row.r_q, row.r_p, row.fitness = m["r_q"], m["r_p"], 1.0 - m["r_q"]
@@ -351,15 +405,10 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
                 row.bound_tv, row.bound_pinsker = speedup_lower_bounds(min(max(row.tv, 0.0), 1.0),
                                                                        max(row.kl, 0.0), K, c)
             row.tokens_per_call_predicted = float(expected_tokens_per_call(alpha_clamped, K))
-            if all(ch is not None for ch in chars):
-                kept = [min(len(t), max_length) if max_length else len(t) for t in tokens]
-                total_tokens = sum(kept)
-                # characters of the truncated texts, approximated pro rata when truncation cut a text
-                total_chars = sum(ch * k / max(len(t), 1) for ch, k, t in zip(chars, kept, tokens, strict=True))
-                row.chars_per_token = total_chars / total_tokens if total_tokens else None
+            row.chars_per_token = _chars_per_token([tokens[i] for i in used], kept, [chars[i] for i in used],
+                                                   tokenizer)
         if task.prompts is not None:
-            prompts = list(task.prompts)[:max_examples]
-            prompt_tokens, _ = encode_items(prompts, tokenizer, f"tasks[{name!r}].prompts", add_special_tokens,
+            prompt_tokens, _ = encode_items(task.prompts, tokenizer, f"tasks[{name!r}].prompts", add_special_tokens,
                                             id_limit)
             if any(len(p) == 0 for p in prompt_tokens):
                 raise ValueError(f"tasks[{name!r}].prompts contains an empty prompt")
@@ -407,23 +456,25 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
     timed = [r for r in rows if r.speedup_measured is not None]
     if timed:
         summary.update(_spread([r.speedup_measured for r in timed], "speedup_measured"))
-    # Per-character figures: char_speedup = S_T * rho_T / mean(rho), rho_T = characters per token, i.e. the speed-up
-    # in characters per unit of verifier time relative to plain decoding at the average characters per token.
+    # Per-character figures (DESIGN.md): char_speedup_predicted = rho_T S(alpha_T), rho_T = characters per text token:
+    # characters per unit of verifier-step time relative to one token per verifier call. Each task's figure depends
+    # on that task alone.
+    for r in rows:
+        if r.chars_per_token is None:
+            continue
+        if r.speedup_predicted is not None:
+            r.char_speedup_predicted = r.chars_per_token * r.speedup_predicted
+        if r.speedup_predicted_generation is not None:
+            r.char_speedup_predicted_generation = r.chars_per_token * r.speedup_predicted_generation
     rho = [r.chars_per_token for r in rows if r.chars_per_token is not None]
-    if rho and len(rho) == len(rows):
-        rho_mean = sum(rho) / len(rho)
-        for r in rows:
-            if r.speedup_predicted is not None:
-                r.char_speedup_predicted = r.speedup_predicted * r.chars_per_token / rho_mean
-            if r.speedup_predicted_generation is not None:
-                r.char_speedup_predicted_generation = r.speedup_predicted_generation * r.chars_per_token / rho_mean
-        summary["chars_per_token_mean"] = rho_mean
-        char_s = [r.char_speedup_predicted for r in rows if r.char_speedup_predicted is not None]
-        if char_s:
-            summary.update(_spread(char_s, "char_speedup_predicted"))
-        cpc = [r.chars_per_call for r in rows if r.chars_per_call is not None]
-        if cpc:
-            summary.update(_spread(cpc, "chars_per_call"))
+    if rho:
+        summary["chars_per_token_mean"] = sum(rho) / len(rho)
+    char_s = [r.char_speedup_predicted for r in rows if r.char_speedup_predicted is not None]
+    if char_s:
+        summary.update(_spread(char_s, "char_speedup_predicted"))
+    cpc = [r.chars_per_call for r in rows if r.chars_per_call is not None]
+    if cpc:
+        summary.update(_spread(cpc, "chars_per_call"))
     violations: list[str] = []
     for r in rows:
         violations += _check_bounds(r, temperature)

@@ -46,8 +46,9 @@ class TaskFairness:
 
     name: str
     # teacher-forced, from the task's texts
-    num_texts: int = 0
-    num_tokens: int = 0
+    num_texts: int = 0  # texts used (after max_examples, with at least 2 tokens after the cut to max_length)
+    num_texts_dropped: int = 0  # texts left out for having fewer than 2 tokens
+    num_tokens: int = 0  # prefixes teacher-forced (each used text's tokens less one)
     alpha: float | None = None  # alpha_T = E_s sum_x min(p, q)
     speedup_predicted: float | None = None  # S(alpha_T)
     speedup_predicted_prefix_mean: float | None = None  # E_s S(alpha(s))
@@ -60,8 +61,8 @@ class TaskFairness:
     fitness: float | None = None  # 1 - r_q
     bound_tv: float | None = None  # S(1 - TV_T)
     bound_pinsker: float | None = None  # S(max(0, 1 - sqrt(D_T / 2)))
-    chars_per_token: float | None = None  # rho_T
-    char_speedup_predicted: float | None = None  # S(alpha_T) rho_T / mean rho
+    chars_per_token: float | None = None  # rho_T = characters / text tokens (special tokens left out)
+    char_speedup_predicted: float | None = None  # rho_T S(alpha_T)
     # measured by speculative decoding of the task's prompts
     num_prompts: int = 0
     alpha_measured: float | None = None  # accepted / tested drafts
@@ -70,7 +71,7 @@ class TaskFairness:
     tokens_per_call_predicted: float | None = None  # E[N] from alpha_T
     speedup_predicted_generation: float | None = None  # tokens_per_call / (K c + 1)
     chars_per_call: float | None = None  # characters of generated text per verifier round
-    char_speedup_predicted_generation: float | None = None  # speedup_predicted_generation rho_T / mean rho
+    char_speedup_predicted_generation: float | None = None  # rho_T speedup_predicted_generation
     # timed: wall clock of specdec.generate against the verifier's own generate on the task's prompts
     speedup_measured: float | None = None  # median over repetitions of the ratio of tokens per second
     speedup_measured_min: float | None = None  # extreme per-repetition ratios
@@ -254,6 +255,9 @@ def _column_notes(attrs: Sequence[str]) -> list[str]:
                             "eos (with greedy decoding both emit the same tokens: the ratio of their times; median of "
                             "the timed repetitions, min–max in brackets); below 1 speculative decoding was slower",
         "speedup_predicted_generation": "S predicted from tok/call = measured tokens per verifier call / (K c + 1)",
+        "char_speedup_predicted": "char S predicted = ρ_T·S(α_T), ρ_T the task's characters per text token (special "
+                                  "tokens left out): characters per verifier-step time relative to one token per "
+                                  "verifier call",
     }
     return [f"{notes[a]}." for a in attrs if a in notes]
 

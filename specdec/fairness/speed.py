@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from specdec._models import check_model_pair, model_device
+from specdec._models import check_model_pair, model_device, pair_in_eval_mode
 from specdec._seeding import derive_seed
 from specdec._validation import (
     check_backend,
@@ -168,6 +168,7 @@ def _timed(device: torch.device, call: Any, *args: Any, **kwargs: Any) -> tuple[
     return time.perf_counter() - start, out
 
 
+@pair_in_eval_mode
 @torch.no_grad()
 def measure_decode_costs(verifier: torch.nn.Module, drafter: torch.nn.Module, *, batch_size: int = 1,
                          seq_len: int = 16, new_tokens: int = 32, repeats: int = 10, warmup: int = 1,
@@ -187,7 +188,8 @@ def measure_decode_costs(verifier: torch.nn.Module, drafter: torch.nn.Module, *,
     ratio; c is their median and the spread of the ratios is kept in the result.
 
     Args:
-        verifier, drafter: Hugging Face causal LMs on one device (or an n-gram drafter).
+        verifier, drafter: Hugging Face causal LMs on one device (or an n-gram drafter), run in eval mode (modes
+            restored after).
         batch_size: rows per call (>= 1). seq_len: prompt length (>= 1). new_tokens: tokens per long call (>= 2).
         repeats: timed repetitions (>= 1). warmup: untimed repetitions first (>= 0).
         temperature: 0 (greedy, default) or the sampling temperature of the steps. seed: prompts and sampling.
@@ -358,6 +360,7 @@ def run_speculative(verifier: torch.nn.Module, drafter: torch.nn.Module, prompts
     return [setup.run(verifier, drafter, index) for index in range(len(setup.batches))]
 
 
+@pair_in_eval_mode
 @torch.no_grad()
 def measure_wall_clock_speedup(verifier: torch.nn.Module, drafter: torch.nn.Module,
                                prompts: Sequence[Sequence[int]], *, num_draft_tokens: int = 4,
@@ -381,7 +384,8 @@ def measure_wall_clock_speedup(verifier: torch.nn.Module, drafter: torch.nn.Modu
     this is the ratio of times); the speed-up is their median.
 
     Args:
-        verifier, drafter: Hugging Face causal LMs on one device (the verifier needs a ``generate`` method).
+        verifier, drafter: Hugging Face causal LMs on one device (the verifier needs a ``generate`` method), run
+            in eval mode (every submodule's mode restored after).
         prompts: a non-empty list of non-empty lists of int token ids. num_draft_tokens: K >= 1. temperature: >= 0.
         max_new_tokens, batch_size, repeats: >= 1. warmup: >= 0. seed: sampling seeds.
         backend, static: passed to :func:`specdec.generate`. eos_token_id: int, list or None. pad_token_id: left

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from specdec._models import model_device, model_vocab_size
+from specdec._models import model_device, model_vocab_size, pair_in_eval_mode
 from specdec.decoding import ngram
 from specdec.fairness.divergences import divergence
 
@@ -168,14 +168,16 @@ def divergences_from_logits(verifier_logits: torch.Tensor, drafter_logits: torch
                             ref_p=ref_p.float().cpu())
 
 
+@pair_in_eval_mode
 @torch.no_grad()
 def token_divergences(verifier: torch.nn.Module, drafter: torch.nn.Module, input_ids: torch.Tensor,
                       attention_mask: torch.Tensor | None = None, *, temperature: float = 1.0, backend: str = "auto",
                       vocab_size: int | None = None) -> TokenDivergences:
     """Teacher-forced per-prefix divergences of one right-padded batch ``input_ids`` [B, L] (int64).
 
-    Both models run once on the batch (no grad; their train/eval mode is left as it is). ``vocab_size`` restricts
-    the logits to a shared id range (default: the smaller of the two output sizes). An n-gram drafter
+    Both models run once on the batch, under no_grad and in eval mode (every submodule's mode restored after).
+    ``vocab_size`` restricts the logits to a shared id range (default: the smaller of the two output sizes).
+An n-gram drafter
     (:func:`specdec.ngram_drafter`) gives one-hot logits at its proposal after each prefix, so ``alpha(s)`` is the
     verifier's ``p(draft)`` (greedy: ``1[draft == argmax p]``), ``TV = 1 - alpha`` and ``q(y) = 1[draft == y]``,
     while H(p, q) and KL(p || q) are infinite wherever ``p`` is not one-hot at the draft.
@@ -193,14 +195,18 @@ def token_divergences(verifier: torch.nn.Module, drafter: torch.nn.Module, input
     return divergences_from_logits(v_logits, d_logits, targets, temperature=temperature, backend=backend)
 
 
+@pair_in_eval_mode
 def task_divergences(verifier: torch.nn.Module, drafter: torch.nn.Module,
                      task_tokens: Mapping[str, Sequence[Sequence[int]]], *, batch_size: int = 8,
                      temperature: float = 1.0, backend: str = "auto", max_length: int | None = None,
                      pad_token_id: int = 0, vocab_size: int | None = None) -> dict[str, TokenDivergences]:
     """Per-task :class:`TokenDivergences` over every prefix of every token list of each task.
 
+    Both models run in eval mode (every submodule's mode restored after).
+
     Args:
-        task_tokens: task name -> list of token-id lists (each truncated to its first ``max_length`` tokens).
+        task_tokens: task name -> list of token-id lists (each truncated to its first ``max_length`` tokens; a list
+            left with fewer than 2 tokens has no prefix to teacher-force and is skipped).
         batch_size: sequences per forward pass.
     Returns:
         task name -> per-prefix divergences (CPU float32 tensors); use ``.means()`` for K_T, D_T, TV_T, alpha_T, ...

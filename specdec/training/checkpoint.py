@@ -1,17 +1,25 @@
 """Checkpoints of :func:`specdec.finetune_drafter`: one safetensors file that resumes a run exactly.
 
 The file holds the drafter's weights, the AdamW state, the step, the random states (minibatch sampler, torch, CUDA),
-the evaluation history, the run's settings and a SHA-256 over all of it. It is written atomically (temporary file,
-read back and verified, then ``os.replace``), so a failure never leaves a half-written checkpoint in place.
+the evaluation history, the run's settings, the identity of the drafter the run started from (:func:`drafter_identity`)
+and a SHA-256 over all of it. It is written atomically (temporary file, read back and verified, then ``os.replace``),
+so a failure never leaves a half-written checkpoint in place; its permissions follow the umask like any new file.
+A run resumes only with the same settings and the same drafter (:func:`check_resumable`), and Ctrl-C stops it after a
+whole step (:func:`deferred_interrupt`) so that the checkpoint saved then resumes exactly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import signal
+import sys
 import tempfile
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -89,11 +97,19 @@ def save_checkpoint(path: str, drafter: torch.nn.Module, optimizer: torch.optim.
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=metadata)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's file is 0600; a checkpoint is an ordinary file
         load_checkpoint(tmp)  # verify what actually reached the disk before it replaces anything
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def load_checkpoint(path: str) -> dict[str, Any]:
@@ -161,3 +177,86 @@ def cuda_rng_states(tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
     index as a number: device 10 comes after device 2)."""
     keys = [key for key in tensors if key.startswith(CUDA_RNG_PREFIX)]
     return [tensors[key] for key in sorted(keys, key=lambda key: int(key[len(CUDA_RNG_PREFIX):]))]
+
+
+_VOLATILE_CONFIG_KEYS = ("transformers_version", "dtype", "torch_dtype", "name_or_path")
+"""Config entries that say where or how a model was loaded, not what it is (the weights digest covers dtypes)."""
+
+
+def drafter_identity(drafter: torch.nn.Module) -> dict[str, str]:
+    """``{"drafter_config": ..., "drafter_weights": ...}``: SHA-256 digests of the drafter's config (as JSON, less
+    private and :data:`_VOLATILE_CONFIG_KEYS` entries) and of its weights (:func:`weights_digest` of its state dict)."""
+    config = getattr(drafter, "config", None)
+    entries = config.to_dict() if hasattr(config, "to_dict") else {}
+    entries = {k: v for k, v in entries.items() if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS}
+    config_json = json.dumps(entries, sort_keys=True, default=str)
+    return {"drafter_config": hashlib.sha256(config_json.encode()).hexdigest(),
+            "drafter_weights": weights_digest(drafter.state_dict())}
+
+
+_UNRECORDED = object()
+_SETTING_DEFAULTS: dict[str, Any] = {"per_character": False, "chars_per_token": None, "vocab_size": _UNRECORDED,
+                                     "autocast": _UNRECORDED}
+"""What checkpoints written before a setting was recorded ran with (``_UNRECORDED``: unknown, not compared)."""
+
+
+def check_resumable(ckpt: dict[str, Any], settings: Mapping[str, Any], identity: Mapping[str, str],
+                    path: str) -> dict[str, str]:
+    """The drafter identity the resumed run keeps, after checking that checkpoint ``ckpt`` (read by
+    :func:`load_checkpoint` from ``path``) was written by a run with these ``settings`` and this drafter.
+
+    ``identity`` is :func:`drafter_identity` of the drafter given now. Its config must be the one the run started
+    with, and its weights either those it started from or those of the checkpoint (a drafter kept in memory after an
+    interrupted run). Raises :class:`CheckpointError` naming the settings that differ, or saying that the drafter is
+    another one. A checkpoint written before a setting or the identity was recorded is not checked for it.
+    """
+    saved = ckpt["meta"]["config"]
+    different = sorted(key for key in settings
+                       if saved.get(key, _SETTING_DEFAULTS.get(key)) not in (_UNRECORDED, settings[key]))
+    if different:
+        raise CheckpointError(f"checkpoint {path} was written by a run with different settings "
+                              f"({', '.join(different)}); use another checkpoint_dir or resume=False")
+    if "drafter_config" not in saved:
+        return dict(identity)
+    started = {"drafter_config": saved["drafter_config"], "drafter_weights": saved["drafter_weights"]}
+    reached = weights_digest({k[len("drafter."):]: v for k, v in ckpt["tensors"].items() if k.startswith("drafter.")})
+    if identity["drafter_config"] != started["drafter_config"] or \
+            identity["drafter_weights"] not in (started["drafter_weights"], reached):
+        what = "config" if identity["drafter_config"] != started["drafter_config"] else "weights"
+        raise CheckpointError(f"checkpoint {path} was written while finetuning another drafter (its {what} differ "
+                              "from the drafter given now, which is neither the drafter that run started from nor "
+                              "the one it reached): resuming would train and save that run's weights in place of "
+                              "this drafter. Use another checkpoint_dir, or resume=False to start afresh")
+    return started
+
+
+@dataclass
+class InterruptRequest:
+    """Set by the first Ctrl-C inside :func:`deferred_interrupt`."""
+
+    requested: bool = False
+
+
+@contextlib.contextmanager
+def deferred_interrupt(enabled: bool = True) -> Iterator[InterruptRequest]:
+    """Inside the block, a first Ctrl-C (SIGINT) only sets ``requested`` (the loop finishes its step, saves and
+    stops); a second one raises KeyboardInterrupt at once. The previous handler is restored on the way out. Off
+    (``requested`` stays False, Ctrl-C raises as usual) when not ``enabled`` or outside the main thread, where
+    signal handlers cannot be set."""
+    request = InterruptRequest()
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield request
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handle(signum: int, frame: Any) -> None:
+        request.requested = True
+        signal.signal(signal.SIGINT, previous)
+        print("\ninterrupt: finishing this step, then saving a checkpoint (Ctrl-C again to stop at once)",
+              file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGINT, handle)
+    try:
+        yield request
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -31,14 +31,12 @@ Evaluation texts are held out: without ``eval_tasks``, a seeded split (:func:`he
 ``split_seed`` of the config) sets aside a share of every task's texts for the evaluations, and training never sees
 them; pass ``eval_fraction=0`` to evaluate on training texts instead (a measure of fit, not of generalisation).
 
-The training settings are one :class:`FinetuneConfig`; checkpoints are written and read by
-:mod:`specdec.training.checkpoint` (its public names are importable from here too).
+The training settings are one :class:`FinetuneConfig` (:mod:`specdec.training.config`); checkpoints are written and
+read by :mod:`specdec.training.checkpoint` (the public names of both are importable from here too).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import math
 import os
 import random
@@ -48,9 +46,9 @@ from typing import Any
 
 import torch
 
-from specdec._models import check_model_pair, model_device
-from specdec._validation import check_backend, check_int_at_least, check_int_range, check_number
-from specdec.compat import check_task_texts, pair_positions, shared_vocab_size
+from specdec._models import check_model_pair, eval_mode, float32_logits, model_device
+from specdec._validation import check_int_at_least, check_int_range, check_number
+from specdec.compat import check_task_texts, pair_positions, shared_vocab_size, special_token_ids
 from specdec.fairness import unfairness
 from specdec.fairness.divergences import divergence, divergence_loss
 from specdec.fairness.teacher_forcing import (
@@ -64,10 +62,21 @@ from specdec.training.checkpoint import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_NAME,
     CheckpointError,
+    check_resumable,
+    deferred_interrupt,
+    drafter_identity,
     load_checkpoint,
     restore_checkpoint,
     save_checkpoint,
     tasks_digest,
+)
+from specdec.training.config import (
+    METHODS,
+    PER_CHARACTER_METHODS,
+    WEIGHT_BASES,
+    FinetuneConfig,
+    check_method_tasks,
+    resolve_config,
 )
 from specdec.training.losses import per_character_weights_unchecked, token_weights_unchecked
 
@@ -78,6 +87,7 @@ __all__ = [
     "WEIGHT_BASES",
     "CheckpointError",
     "FinetuneConfig",
+    "FinetuneInterrupted",
     "FinetuneResult",
     "check_seq_len",
     "finetune_drafter",
@@ -86,146 +96,17 @@ __all__ = [
     "save_checkpoint",
 ]
 
-METHODS = ("scdf", "exact_variance", "uniform_kd", "balanced")
-WEIGHT_BASES = ("ce", "kl", "tv")
-PER_CHARACTER_METHODS = ("scdf", "exact_variance")
 
+class FinetuneInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) stopped :func:`finetune_drafter` at the end of a step: ``step`` is the last step run (of
+    ``steps``) and ``checkpoint_path`` the checkpoint saved at it, from which the same call resumes (None without a
+    ``checkpoint_dir``: nothing was saved). A KeyboardInterrupt, so code that catches those still stops."""
 
-@dataclass(frozen=True)
-class FinetuneConfig:
-    """The training settings of :func:`finetune_drafter` (frozen; derive a variant with :meth:`replace`).
-
-    Every field is checked when the config is made: a bad value raises ValueError (TypeError for a non-number where a
-    number is expected) naming the field.
-
-    Attributes:
-        method (str, default ``"scdf"``): ``"scdf"`` | ``"exact_variance"`` | ``"uniform_kd"`` | ``"balanced"``
-            (see :mod:`specdec.training.finetune`).
-        weight_basis (str, default ``"ce"``): ``"ce"`` | ``"kl"`` | ``"tv"``, the per-task values the s-CDF and
-            exact-variance weights are computed on.
-        weight_floor (float, default 0.0): >= 0, added to the corrective weights (``method="scdf"``).
-        normalize_weights (bool, default False): divide the per-task weights by ``sum |w_i|``.
-        steps (int, default 200): >= 0, total optimizer steps (a resumed run continues up to this number).
-        batch_size_per_task (int, default 8): >= 1, windows per task per step (global, over all processes);
-            ``uniform_kd`` draws ``batch_size_per_task * m`` windows from the pooled texts.
-        seq_len (int, default 64): >= 2, window length in tokens (longer texts are cropped at a random offset).
-        lr (float, default 1e-3): > 0, AdamW learning rate.
-        weight_decay (float, default 0.0): >= 0, AdamW weight decay.
-        max_grad_norm (float | None, default 1.0): > 0, gradient-norm clipping; None turns clipping off.
-        temperature (float, default 1.0): > 0, applied to both p and q.
-        eval_every (int | None, default 50): >= 1, evaluate U, alpha etc. on the evaluation set every this many
-            steps (and always at the start and the end); None evaluates only at the start and the end.
-        eval_fraction (float, default 0.1): in [0, 1), the share of every task's texts held out for the evaluations
-            when no ``eval_tasks`` are given: ``ceil(eval_fraction * n)`` of a task's n texts, at most
-            ``eval_examples``, chosen by a seeded shuffle (``split_seed``), are evaluated on (cropped to ``seq_len``)
-            and never trained on. 0 evaluates on the first ``eval_examples`` training texts instead.
-        eval_examples (int, default 32): >= 1, the most texts per task held out and evaluated when no
-            ``eval_tasks`` are given.
-        split_seed (int, default 0): in [0, 2**64), seeds the held-out split; kept apart from ``seed`` so runs with
-            different training seeds evaluate on the same texts.
-        checkpoint_dir (str | os.PathLike | None, default None): folder of ``drafter_checkpoint.safetensors``;
-            None writes no checkpoint.
-        checkpoint_every (int | None, default None): >= 1, steps between checkpoints (None: ``eval_every``); one
-            is always written at the end.
-        resume (bool, default True): continue from the checkpoint in ``checkpoint_dir`` when there is one (a
-            corrupt one raises :class:`CheckpointError` instead of being overwritten); False starts afresh and
-            replaces it at the first save.
-        seed (int, default 0): in [0, 2**64), seeds the minibatch sampler.
-        backend (str, default ``"auto"``): ``"auto"`` | ``"triton"`` | ``"torch"``, the divergence kernels.
-        autocast (bool | None, default None): bf16 autocast of the forward passes; None turns it on on CUDA only.
-        per_character (bool, default False): take the corrective (or exact-variance) weights on per-character values
-            ``v_i / rho_i`` and minimise ``sum_i w_i K_i / rho_i``, with ``rho_i`` the characters per token of task i
-            (see this module's docstring); needs ``method`` ``"scdf"`` or ``"exact_variance"``, and string texts with
-            a tokenizer (or token-id lists with a tokenizer to decode them, or ``chars_per_token=``).
-    """
-
-    method: str = "scdf"
-    weight_basis: str = "ce"
-    weight_floor: float = 0.0
-    normalize_weights: bool = False
-    steps: int = 200
-    batch_size_per_task: int = 8
-    seq_len: int = 64
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0
-    temperature: float = 1.0
-    eval_every: int | None = 50
-    eval_fraction: float = 0.1
-    eval_examples: int = 32
-    split_seed: int = 0
-    checkpoint_dir: str | os.PathLike | None = None
-    checkpoint_every: int | None = None
-    resume: bool = True
-    seed: int = 0
-    backend: str = "auto"
-    autocast: bool | None = None
-    per_character: bool = False
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
-        if not isinstance(self.per_character, bool):
-            raise TypeError(f"per_character must be True or False, got {self.per_character!r}")
-        if self.per_character and self.method not in PER_CHARACTER_METHODS:
-            raise ValueError(f"per_character=True reweights the tasks of method 'scdf' or 'exact_variance'; method "
-                             f"{self.method!r} has no per-task weights to take per character")
-        if self.weight_basis not in WEIGHT_BASES:
-            raise ValueError(f"weight_basis must be one of {WEIGHT_BASES}, got {self.weight_basis!r}")
-        for name, minimum in (("steps", 0), ("batch_size_per_task", 1), ("seq_len", 2), ("eval_examples", 1)):
-            check_int_at_least(getattr(self, name), name, minimum)
-        for name in ("eval_every", "checkpoint_every"):
-            check_int_at_least(getattr(self, name), name, 1, allow_none=True)
-        numbers = {"weight_floor": check_number(self.weight_floor, "weight_floor", 0.0),
-                   "lr": check_number(self.lr, "lr", 0.0, strict=True),
-                   "weight_decay": check_number(self.weight_decay, "weight_decay", 0.0),
-                   "temperature": check_number(self.temperature, "temperature", 0.0, strict=True),
-                   "eval_fraction": check_number(self.eval_fraction, "eval_fraction", 0.0)}
-        if numbers["eval_fraction"] >= 1:
-            raise ValueError(f"eval_fraction must be in [0, 1) (the share of each task's texts held out), got "
-                             f"{self.eval_fraction}")
-        if self.max_grad_norm is not None:
-            numbers["max_grad_norm"] = check_number(self.max_grad_norm, "max_grad_norm", 0.0, strict=True)
-        for name, value in numbers.items():  # ints given for floats are kept as floats (the checkpoint compares them)
-            object.__setattr__(self, name, value)
-        check_int_range(self.seed, "seed", 0, 2**64)
-        check_int_range(self.split_seed, "split_seed", 0, 2**64)
-        check_backend(self.backend)
-
-    def replace(self, **changes: Any) -> FinetuneConfig:
-        """A copy with ``changes`` applied (and checked); an unknown name raises TypeError naming it."""
-        return dataclasses.replace(self, **_known_settings(changes, "FinetuneConfig.replace()"))
-
-
-SETTINGS = tuple(f.name for f in dataclasses.fields(FinetuneConfig))
-
-
-def _known_settings(settings: Mapping[str, Any], caller: str) -> dict[str, Any]:
-    """``settings`` when every name is a :class:`FinetuneConfig` field, else TypeError naming the first unknown one."""
-    for name in settings:
-        if name not in SETTINGS:
-            close = difflib.get_close_matches(name, SETTINGS, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; the settings are {', '.join(SETTINGS)}"
-            raise TypeError(f"{caller} got an unexpected keyword argument {name!r}{hint}")
-    return dict(settings)
-
-
-def resolve_config(config: FinetuneConfig | None, settings: Mapping[str, Any]) -> FinetuneConfig:
-    """The config of one :func:`finetune_drafter` call: ``config``, or one built from the setting keywords.
-
-    Raises TypeError naming the keywords when both are given (the settings belong in one place), an unknown keyword,
-    or a ``config`` that is not a :class:`FinetuneConfig`.
-    """
-    settings = _known_settings(settings, "finetune_drafter()")
-    if config is None:
-        return FinetuneConfig(**settings)
-    if not isinstance(config, FinetuneConfig):
-        raise TypeError(f"config must be a FinetuneConfig or None, got {type(config).__name__}")
-    if settings:
-        names = ", ".join(sorted(settings))
-        raise TypeError(f"finetune_drafter() got config= and the setting keyword(s) {names}: give the settings in "
-                        f"one place, e.g. config=config.replace({sorted(settings)[0]}=...)")
-    return config
+    def __init__(self, step: int, steps: int, checkpoint_path: str | None) -> None:
+        self.step, self.steps, self.checkpoint_path = step, steps, checkpoint_path
+        saved = (f"checkpoint saved to {checkpoint_path}: the same call resumes from it" if checkpoint_path is not None
+                 else "no checkpoint_dir, so nothing was saved")
+        super().__init__(f"finetuning interrupted after step {step} of {steps}; {saved}")
 
 
 @dataclass
@@ -241,8 +122,9 @@ class FinetuneResult:
     held out for the evaluations and not trained on; None when ``eval_tasks`` were given or ``eval_fraction`` is 0.
     chars_per_token: task -> ``rho_i``, the characters per token the per-character weights used (given or measured
     on the task's texts); None when neither ``per_character`` nor ``chars_per_token=`` asked for them. With it, every
-    history entry also has ``U_char_ce``, ``U_char_kl`` and ``U_char_tv``, the unfairness of ``v_i / rho_i`` over the
-    evaluated tasks (those with a ``rho``), and with ``per_character`` ``U`` is ``U_char`` on the weight basis.
+    history entry also has ``U_char_ce``, ``U_char_kl`` and ``U_char_tv``, the unfairness of ``v_i / rho_i`` over
+    every evaluated task, and with ``per_character`` ``U`` is ``U_char`` on the weight basis. Its ``repr`` names the
+    drafter's class and summarises the run (the model and the history are left out).
     """
 
     drafter: torch.nn.Module
@@ -265,13 +147,23 @@ class FinetuneResult:
     def final(self) -> dict[str, Any]:
         return self.history[-1]
 
+    def __repr__(self) -> str:
+        first, last = (self.history[0], self.history[-1]) if self.history else ({}, {})
+        return (f"FinetuneResult(method={self.method!r}, weight_basis={self.weight_basis!r}, steps={self.steps}, "
+                f"resumed_from={self.resumed_from}, U={first.get('U')!r} -> {last.get('U')!r}, "
+                f"worst_alpha={first.get('worst_alpha')!r} -> {last.get('worst_alpha')!r}, "
+                f"evaluations={len(self.history)}, drafter={type(self.drafter).__name__}, "
+                f"checkpoint_path={self.checkpoint_path!r})")
+
 
 def _tokenize_tasks(tasks: object, tokenizer: Any, name: str, add_special_tokens: bool, vocab_size: int,
                     count_chars: bool = True) -> tuple[dict[str, list[tuple[int, list[int]]]], dict[str, float]]:
     """Every text of ``tasks`` encoded once: ``{task: [(index of the text, its token ids), ...]}`` keeping the texts
-    of at least 2 tokens, and ``{task: rho}``, the characters per token ``sum len(text) / sum len(token ids)`` over
-    the kept texts, for the tasks whose characters can be counted (strings, or token-id lists with a tokenizer to
-    decode them); ``count_chars=False`` counts none (empty ``{}``, no ``decode`` call). Token ids outside
+    of at least 2 tokens, and ``{task: rho}``, the characters per token ``sum len(text) / sum (text tokens)`` over
+    the kept texts (text tokens: the ids less the tokenizer's special tokens such as BOS,
+    :func:`specdec.compat.special_token_ids`), for the tasks whose characters can be counted (strings, or token-id
+    lists with a tokenizer to decode them); ``count_chars=False`` counts none (empty ``{}``, no ``decode`` call).
+    Token ids outside
     ``[0, vocab_size)`` raise ValueError naming the text; with a tokenizer, a task whose text it does not cover is
     warned about (:func:`specdec.compat.check_task_texts`)."""
     if not isinstance(tasks, Mapping):
@@ -282,6 +174,7 @@ def _tokenize_tasks(tasks: object, tokenizer: Any, name: str, add_special_tokens
     out: dict[str, list[tuple[int, list[int]]]] = {}
     rho: dict[str, float] = {}
     encoded_tasks: dict[str, list[list[int]]] = {}
+    special = special_token_ids(tokenizer)
     for task, items in tasks.items():
         if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
             raise TypeError(f"{name}[{task!r}] must be a list of texts or token-id lists, got {type(items).__name__}")
@@ -292,8 +185,9 @@ def _tokenize_tasks(tasks: object, tokenizer: Any, name: str, add_special_tokens
             raise ValueError(f"{name}[{task!r}] has no text of at least 2 tokens")
         out[str(task)] = [(index, encoded[index]) for index in kept]
         counted = [chars[index] for index in kept]
-        if None not in counted and sum(counted) > 0:
-            rho[str(task)] = sum(counted) / sum(len(encoded[index]) for index in kept)
+        text_tokens = sum(1 for index in kept for t in encoded[index] if t not in special)
+        if None not in counted and sum(counted) > 0 and text_tokens > 0:
+            rho[str(task)] = sum(counted) / text_tokens
         encoded_tasks[str(task)] = encoded
     if tokenizer is not None:  # a tokenizer that does not cover a task's text: warn, naming the task
         check_task_texts(encoded_tasks, tokenizer)
@@ -337,15 +231,30 @@ def held_out_split(sizes: Mapping[str, int], eval_fraction: float = 0.1, max_exa
     return split
 
 
-_SETTING_DEFAULTS = {"per_character": False, "chars_per_token": None}
-"""The values of run settings that checkpoints written before the setting existed were run with."""
-
-
 def _resolve_chars_per_token(given: Mapping[str, float] | None, per_character: bool, names: list[str],
-                             measured: Mapping[str, float],
-                             eval_measured: Mapping[str, float]) -> dict[str, float] | None:
+                             measured: Mapping[str, float], eval_measured: Mapping[str, float],
+                             eval_names: Sequence[str] = ()) -> dict[str, float] | None:
     """task -> rho (characters per token) for the training and evaluation tasks, or None when not asked for:
-    ``given``, else the ``measured`` ones of the training tasks and the ``eval_measured`` ones of the others."""
+    ``given``, else the ``measured`` ones of the training tasks and the ``eval_measured`` ones of the others.
+    ValueError naming the first task of ``names`` or ``eval_names`` (the evaluated tasks) without one, since the
+    per-character U is taken over every evaluated task."""
+    rho = _chars_per_token_of_training_tasks(given, per_character, names, measured, eval_measured)
+    if rho is None:
+        return None
+    missing = [n for n in eval_names if n not in rho]
+    if missing:
+        source = ("give it in chars_per_token=" if given is not None else
+                  "give the texts of eval_tasks as strings with tokenizer=, a tokenizer to decode their token ids, "
+                  "or chars_per_token= with an entry for it")
+        raise ValueError(f"the per-character U is taken over every evaluated task, and evaluated task {missing[0]!r} "
+                         f"(of eval_tasks) has no characters per token: {source}")
+    return rho
+
+
+def _chars_per_token_of_training_tasks(given: Mapping[str, float] | None, per_character: bool, names: list[str],
+                                       measured: Mapping[str, float],
+                                       eval_measured: Mapping[str, float]) -> dict[str, float] | None:
+    """:func:`_resolve_chars_per_token` before the evaluated tasks are checked."""
     if given is None and not per_character:
         return None
     if given is not None:
@@ -395,14 +304,12 @@ def _draw_global_batch(method: str, corpus: list[list[list[int]]], batch_size_pe
 
 def _evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module, eval_tokens: dict[str, list[list[int]]],
               weight_basis: str, temperature: float, vocab_size: int, batch_size: int, backend: str,
-              autocast: bool, rho: Mapping[str, float] | None = None, per_character: bool = False) -> dict[str, Any]:
-    was_training = drafter.training
-    drafter.eval()
-    device = model_device(drafter)
-    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
+              rho: Mapping[str, float] | None = None, per_character: bool = False) -> dict[str, Any]:
+    """One history entry: both models in eval mode, forward passes in float32 (never under autocast: bf16 logits
+    bias KL and U upwards), per-task means and the U's over every evaluated task."""
+    with torch.autocast(device_type=model_device(drafter).type, enabled=False):
         divs = task_divergences(verifier, drafter, eval_tokens, batch_size=batch_size, temperature=temperature,
                                 backend=backend, vocab_size=vocab_size)
-    drafter.train(was_training)
     per_task = {}
     for name, div in divs.items():
         m = div.means()
@@ -410,10 +317,9 @@ def _evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module, eval_tokens: 
     alphas = {n: v["alpha"] for n, v in per_task.items()}
     worst = min(alphas, key=alphas.get)
     entry = {f"U_{b}": unfairness([v[b] for v in per_task.values()]) for b in WEIGHT_BASES}
-    if rho is not None:
-        known = [n for n in per_task if n in rho]
+    if rho is not None:  # every evaluated task has its rho (checked before the run)
         for b in WEIGHT_BASES:
-            entry[f"U_char_{b}"] = unfairness([per_task[n][b] / rho[n] for n in known]) if known else None
+            entry[f"U_char_{b}"] = unfairness([per_task[n][b] / rho[n] for n in per_task])
     basis_u = entry[f"U_char_{weight_basis}"] if per_character else entry[f"U_{weight_basis}"]
     entry.update({"U": basis_u, "mean_alpha": sum(alphas.values()) / len(alphas),
                   "worst_alpha": alphas[worst], "worst_task": worst, "per_task": per_task})
@@ -491,27 +397,40 @@ def finetune_drafter(
 ) -> FinetuneResult:
     """Finetune ``drafter`` in place toward ``verifier`` with s-CDF or a baseline; the verifier is never modified.
 
+    Modes and precision: the evaluations run both models in eval mode (no dropout) with float32 forward passes, so a
+    history entry does not depend on ``autocast`` or on the mode a model arrived in; the training steps run the
+    drafter in train mode (dropout, if it has any, is part of training) and, with ``autocast``, the forward passes in
+    bf16 with the output heads in float32, so the s-CDF weights and the loss see float32 logits. Every submodule of
+    both models gets its own mode back at the end.
+
+    Ctrl-C (outside ``torch.distributed``): the step under way is finished, a checkpoint is saved at it (with a
+    ``checkpoint_dir``) and :class:`FinetuneInterrupted` (a KeyboardInterrupt) is raised; the same call then resumes.
+    A second Ctrl-C stops at once.
+
     Args:
-        drafter: HF causal LM to train (its parameters are updated in place; its train/eval mode is restored).
+        drafter: HF causal LM to train (its parameters are updated in place).
         verifier: HF causal LM on the same device; run in eval mode under no_grad, its parameters untouched.
         tasks: name -> list of texts (needs ``tokenizer``) or of token-id lists; the training data of each task.
         config: the training settings, a :class:`FinetuneConfig` (default: ``FinetuneConfig()``).
         tokenizer: HF-style tokenizer with ``encode(text, add_special_tokens=...)``, for string texts.
-        eval_tasks: held-out texts for the evaluations, like ``tasks``. Default: a seeded share of every task's texts
+        eval_tasks: held-out texts for the evaluations, like ``tasks``, each cut to its first ``seq_len`` tokens
+            (the longest window the drafter is trained on). Default: a seeded share of every task's texts
             held out from training (``eval_fraction``, ``eval_examples`` and ``split_seed`` of the config; see
             :func:`held_out_split`), cropped to ``seq_len``; ``eval_fraction=0`` evaluates on the first
             ``eval_examples`` training texts instead.
         add_special_tokens: passed to ``tokenizer.encode`` for string texts (e.g. to prepend BOS).
-        pad_token_id: id used to right-pad windows (masked out). vocab_size: shared id range of the two models;
+        pad_token_id: id used to right-pad windows (masked out: a resumed run may change it, as it may change
+            ``backend``, without changing a figure). vocab_size: shared id range of the two models;
             needed when their output layers differ in size (see :func:`specdec.compat.resolve_vocab_size`).
         progress: tqdm bar (rank 0 only).
         callback: called as ``callback(step, info)`` after every step (info has ``loss``, ``weights``,
             ``task_values`` (per character with ``per_character``), ``grad_norm``, the global gradient norm before
             clipping, and ``chars_per_token``, the ``rho_i`` in task order, or None).
         chars_per_token: task -> characters per token ``rho_i`` (> 0) for the per-character weights and figures,
-            covering every task of ``tasks`` (extra names are used for ``eval_tasks``). Default: measured on the
-            texts as given, ``sum len(text) / sum len(token ids)`` per task (token-id lists are decoded with
-            ``tokenizer``), when ``per_character`` is on; otherwise no per-character figures.
+            covering every task of ``tasks`` and of ``eval_tasks`` (the per-character U is taken over every
+            evaluated task). Default: measured on the texts as given, ``sum len(text) / sum (text tokens)`` per
+            task, special tokens such as BOS left out (token-id lists are decoded with ``tokenizer``), when
+            ``per_character`` is on; otherwise no per-character figures.
         **settings: the fields of :class:`FinetuneConfig` as keywords (``method="scdf", steps=100, lr=5e-4, ...``),
             which build the config when ``config`` is not given. Giving both, or a name that is not a field, raises
             TypeError naming the keyword.
@@ -520,8 +439,12 @@ def finetune_drafter(
         :class:`FinetuneResult`.
 
     Raises ValueError when the models' output sizes differ and ``vocab_size`` is not given, when ``seq_len`` is more
-    than the models' positions, when a task has too few texts to hold some out, or when ``per_character`` is on and a
-    task's characters per token can be neither measured nor found in ``chars_per_token``. Warns
+    than the models' positions, when a task has too few texts to hold some out, when the method trains nothing on
+    the tasks given (``"scdf"`` without ``weight_floor`` or ``"exact_variance"`` on one task:
+    :func:`specdec.training.config.check_method_tasks`), or when per-character figures are asked for and a training
+    or evaluated task's characters per token can be neither measured nor found in ``chars_per_token``; raises
+    :class:`CheckpointError` when the checkpoint to resume is another run's (other settings, such as ``vocab_size``
+    or ``autocast``, or another drafter: :func:`specdec.training.checkpoint.check_resumable`). Warns
     (:class:`specdec.compat.SpecdecWarning`) for a task whose texts the tokenizer turns into many unknown tokens.
     """
     import torch.distributed as dist
@@ -538,13 +461,14 @@ def finetune_drafter(
     count_chars = cfg.per_character and chars_per_token is None  # rho measured on the texts only then
     tokenized, measured = _tokenize_tasks(tasks, tokenizer, "tasks", add_special_tokens, vocab_size, count_chars)
     names = list(tokenized)
+    check_method_tasks(cfg, names)
     held_out = None
     eval_measured: dict[str, float] = {}
-    if eval_tasks is not None:
+    if eval_tasks is not None:  # cut to seq_len as the held-out texts are: the windows the drafter is trained on
         corpus_map = {n: [t for _, t in rows] for n, rows in tokenized.items()}
         eval_tokenized, eval_measured = _tokenize_tasks(eval_tasks, tokenizer, "eval_tasks", add_special_tokens,
                                                         vocab_size, count_chars)
-        eval_tokens = {n: [t for _, t in rows] for n, rows in eval_tokenized.items()}
+        eval_tokens = {n: [t[:cfg.seq_len] for _, t in rows] for n, rows in eval_tokenized.items()}
     elif cfg.eval_fraction == 0:  # evaluated on training texts, as asked
         corpus_map = {n: [t for _, t in rows] for n, rows in tokenized.items()}
         eval_tokens = {n: [s[:cfg.seq_len] for s in corpus_map[n][:cfg.eval_examples]] for n in names}
@@ -557,7 +481,8 @@ def finetune_drafter(
         eval_tokens = {n: [tokenized[n][i][1][:cfg.seq_len] for i in split[n]] for n in names}
     corpus = [corpus_map[n] for n in names]
     num_tasks = len(names)
-    rho_map = _resolve_chars_per_token(chars_per_token, cfg.per_character, names, measured, eval_measured)
+    rho_map = _resolve_chars_per_token(chars_per_token, cfg.per_character, names, measured, eval_measured,
+                                       list(eval_tokens))
     rho_list = [rho_map[n] for n in names] if rho_map is not None else None  # [m] in task order
     rho = torch.tensor(rho_list, dtype=torch.float64, device=device) if cfg.per_character else None
 
@@ -568,7 +493,8 @@ def finetune_drafter(
         raise ValueError(f"batch_size_per_task * num_tasks = {rows_per_step} is smaller than the world size {world}: "
                          "every process needs at least one sequence")
 
-    # what a checkpoint must match to be resumed (the data included, through its digest)
+    # what a checkpoint must match to be resumed (the data included, through its digest); pad_token_id and backend
+    # change no figure (padding is masked, both backends compute one function), so a resume may change them
     run_settings = {"method": cfg.method, "weight_basis": cfg.weight_basis, "weight_floor": cfg.weight_floor,
                     "tasks": names, "task_sizes": [len(c) for c in corpus],
                     "batch_size_per_task": cfg.batch_size_per_task, "seq_len": cfg.seq_len, "lr": cfg.lr,
@@ -576,7 +502,8 @@ def finetune_drafter(
                     "temperature": cfg.temperature, "seed": cfg.seed, "normalize_weights": cfg.normalize_weights,
                     "eval_fraction": cfg.eval_fraction, "split_seed": cfg.split_seed,
                     "tasks_digest": tasks_digest(corpus, eval_tokens), "per_character": cfg.per_character,
-                    "chars_per_token": rho_list if cfg.per_character else None}
+                    "chars_per_token": rho_list if cfg.per_character else None, "vocab_size": vocab_size,
+                    "autocast": autocast}
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     generator = torch.Generator().manual_seed(cfg.seed)
     ckpt_path = os.path.join(os.fspath(cfg.checkpoint_dir), CHECKPOINT_NAME) if cfg.checkpoint_dir is not None else None
@@ -584,89 +511,95 @@ def finetune_drafter(
     history: list[dict[str, Any]] = []
     start_step = 0
     since_eval: list[float] = []
-    verifier_was_training, drafter_was_training = verifier.training, drafter.training
-    verifier.eval()
 
     def evaluate_now(step: int, train_loss: float | None) -> None:
         entry = {"step": step, **_evaluate(verifier, drafter, eval_tokens, cfg.weight_basis, cfg.temperature,
-                                           vocab_size, cfg.batch_size_per_task, cfg.backend, autocast, rho_map,
+                                           vocab_size, cfg.batch_size_per_task, cfg.backend, rho_map,
                                            cfg.per_character)}
         entry["train_loss"] = train_loss
         history.append(entry)
 
-    if ckpt_path is not None and cfg.resume and os.path.exists(ckpt_path):
-        ckpt = load_checkpoint(ckpt_path)  # CheckpointError on a bad file: nothing is overwritten
-        saved = ckpt["meta"]["config"]
-        different = sorted(k for k in run_settings if saved.get(k, _SETTING_DEFAULTS.get(k)) != run_settings[k])
-        if different:
-            raise CheckpointError(f"checkpoint {ckpt_path} was written by a run with different settings "
-                                  f"({', '.join(different)}); use another checkpoint_dir or resume=False")
-        restore_checkpoint(ckpt, drafter, optimizer, generator, ckpt_path)
-        start_step = int(ckpt["meta"]["step"])
-        history = list(ckpt["meta"]["history"])
-        since_eval = [float(x) for x in ckpt["meta"].get("since_eval", [])]
-    if not history:
-        evaluate_now(0, None)
+    with eval_mode(verifier, drafter):  # every submodule's mode is restored on the way out
+        if ckpt_path is not None:
+            identity = drafter_identity(drafter)  # of the drafter the run starts from, kept through resumes
+            if cfg.resume and os.path.exists(ckpt_path):
+                ckpt = load_checkpoint(ckpt_path)  # CheckpointError on a bad file: nothing is overwritten
+                identity = check_resumable(ckpt, run_settings, identity, ckpt_path)
+                restore_checkpoint(ckpt, drafter, optimizer, generator, ckpt_path)
+                start_step = int(ckpt["meta"]["step"])
+                history = list(ckpt["meta"]["history"])
+                since_eval = [float(x) for x in ckpt["meta"].get("since_eval", [])]
+            run_settings.update(identity)
+        if not history:
+            evaluate_now(0, None)
 
-    model = drafter
-    if distributed:
-        from torch.nn.parallel import DistributedDataParallel
-
-        model = DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda" else None)
-
-    def save(step: int) -> None:
-        if ckpt_path is None:
-            return
-        if rank == 0:
-            save_checkpoint(ckpt_path, drafter, optimizer, step, generator, history, run_settings, since_eval)
+        model = drafter
         if distributed:
-            dist.barrier()
+            from torch.nn.parallel import DistributedDataParallel
 
-    losses: list[float] = []
-    drafter.train()
-    bar = tqdm(total=cfg.steps, initial=min(start_step, cfg.steps), desc=f"finetune[{cfg.method}]",
-               disable=not progress or rank != 0)
-    try:
-        for step in range(start_step + 1, cfg.steps + 1):
-            rows = _draw_global_batch(cfg.method, corpus, cfg.batch_size_per_task, cfg.seq_len, generator)[rank::world]
-            ids, mask = pad_batch([r[1] for r in rows], pad_token_id, "right", device)
-            row_task = torch.tensor([r[0] for r in rows], dtype=torch.int64, device=device)
-            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
-                with torch.no_grad():
-                    v_logits, _ = prefix_logits(verifier, ids, mask, vocab_size)
-                d_logits, _ = prefix_logits(model, ids, mask, vocab_size)
-            task_ids = row_task[prefix_rows(mask)]
-            with torch.no_grad():
-                div = divergence(v_logits, d_logits.detach(), temperature=cfg.temperature, backend=cfg.backend)
-                token_weights, weights, basis, objective = _step_weights(cfg, task_ids, div, num_tasks, distributed,
-                                                                         rho)
-            loss = divergence_loss(d_logits, v_logits, weights=token_weights, temperature=cfg.temperature,
-                                   reduction="sum", backend=cfg.backend)
-            (loss * world).backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(
-                drafter.parameters(), cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(objective)
-            since_eval.append(objective)
-            bar.update(1)
-            if callback is not None:
-                callback(step, {"loss": objective, "weights": weights.tolist(), "task_values": basis.tolist(),
-                                "grad_norm": grad_norm,
-                                "chars_per_token": None if rho_list is None else list(rho_list)})
-            is_last = step == cfg.steps
-            if is_last or (cfg.eval_every is not None and step % cfg.eval_every == 0):
-                evaluate_now(step, sum(since_eval) / len(since_eval))
-                since_eval = []
-                u_now = history[-1]["U"]
-                bar.set_postfix(U="–" if u_now is None else f"{u_now:.4g}",
-                                worst_alpha=f"{history[-1]['worst_alpha']:.3f}")
-            if is_last or (checkpoint_every is not None and step % checkpoint_every == 0):
-                save(step)
-    finally:
-        bar.close()
-        drafter.train(drafter_was_training)
-        verifier.train(verifier_was_training)
+            model = DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda" else None)
+
+        def save(step: int) -> None:
+            if ckpt_path is None:
+                return
+            if rank == 0:
+                save_checkpoint(ckpt_path, drafter, optimizer, step, generator, history, run_settings, since_eval)
+            if distributed:
+                dist.barrier()
+
+        losses: list[float] = []
+        drafter.train()  # dropout in the training steps only; the evaluations run in eval mode
+        bar = tqdm(total=cfg.steps, initial=min(start_step, cfg.steps), desc=f"finetune[{cfg.method}]",
+                   disable=not progress or rank != 0)
+        try:
+            with deferred_interrupt(enabled=not distributed) as interrupt:
+                for step in range(start_step + 1, cfg.steps + 1):
+                    rows = _draw_global_batch(cfg.method, corpus, cfg.batch_size_per_task, cfg.seq_len,
+                                              generator)[rank::world]
+                    ids, mask = pad_batch([r[1] for r in rows], pad_token_id, "right", device)
+                    row_task = torch.tensor([r[0] for r in rows], dtype=torch.int64, device=device)
+                    # bf16 forward under autocast, float32 logits: the weights and the loss see no bf16 rounding
+                    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast), \
+                            float32_logits(verifier), float32_logits(drafter):
+                        with torch.no_grad():
+                            v_logits, _ = prefix_logits(verifier, ids, mask, vocab_size)
+                        d_logits, _ = prefix_logits(model, ids, mask, vocab_size)
+                    task_ids = row_task[prefix_rows(mask)]
+                    with torch.no_grad():
+                        div = divergence(v_logits, d_logits.detach(), temperature=cfg.temperature,
+                                         backend=cfg.backend)
+                        token_weights, weights, basis, objective = _step_weights(cfg, task_ids, div, num_tasks,
+                                                                                 distributed, rho)
+                    loss = divergence_loss(d_logits, v_logits, weights=token_weights, temperature=cfg.temperature,
+                                           reduction="sum", backend=cfg.backend)
+                    (loss * world).backward()
+                    grad_norm = float(torch.nn.utils.clip_grad_norm_(
+                        drafter.parameters(), cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")))
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    losses.append(objective)
+                    since_eval.append(objective)
+                    bar.update(1)
+                    if callback is not None:
+                        callback(step, {"loss": objective, "weights": weights.tolist(), "task_values": basis.tolist(),
+                                        "grad_norm": grad_norm,
+                                        "chars_per_token": None if rho_list is None else list(rho_list)})
+                    is_last = step == cfg.steps
+                    if is_last or (cfg.eval_every is not None and step % cfg.eval_every == 0):
+                        evaluate_now(step, sum(since_eval) / len(since_eval))
+                        since_eval = []
+                        u_now = history[-1]["U"]
+                        bar.set_postfix(U="–" if u_now is None else f"{u_now:.4g}",
+                                        worst_alpha=f"{history[-1]['worst_alpha']:.3f}")
+                    saved = is_last or (checkpoint_every is not None and step % checkpoint_every == 0)
+                    if saved:
+                        save(step)
+                    if interrupt.requested and not is_last:  # Ctrl-C: stop after a whole step, resumable
+                        if not saved:
+                            save(step)
+                        raise FinetuneInterrupted(step, cfg.steps, ckpt_path)
+        finally:
+            bar.close()
     return FinetuneResult(drafter=drafter, history=history, losses=losses, steps=max(start_step, cfg.steps),
                           method=cfg.method, weight_basis=cfg.weight_basis, resumed_from=start_step,
                           checkpoint_path=ckpt_path, config=cfg, held_out=held_out, chars_per_token=rho_map)

@@ -390,10 +390,10 @@ def test_finetune_saves_a_loadable_drafter(capsys, pair_dirs, tasks_file, tmp_pa
                              "--per-character")
     assert code == 0, err
     assert "saved the finetuned drafter" in out
-    # the basis column holds per-character figures; the CE and KL columns stay per token
-    assert "| step | U (kl, per character) | U (CE, per token) | U (KL, per token) |" in out
+    # the basis column holds per-character figures; the CE, KL and TV columns stay per token
+    assert "| step | U (KL, per character) | U (CE, per token) | U (KL, per token) | U (TV, per token) |" in out
     summary = next(line for line in out.splitlines() if line.startswith("U ("))
-    assert summary.startswith("U (kl, per character) ") and "U (kl)" not in out
+    assert summary.startswith("U (KL, per character) ") and "U (KL) " not in out
     assert "evaluated on 1 held-out text(s) per task, not trained on (--eval-fraction 0.1, --split-seed 0)" in out
     finetuned = AutoModelForCausalLM.from_pretrained(out_dir, local_files_only=True)
     original = AutoModelForCausalLM.from_pretrained(drafter_dir, local_files_only=True)
@@ -410,9 +410,9 @@ def test_finetune_evaluation_texts_and_positions(capsys, pair_dirs, odd_pairs, t
               "1", "--batch-size-per-task", "2", "--seq-len", "16", "--no-progress"]
     code, out, err = run_cli(capsys, *common, "--eval-fraction", "0", "--output", str(tmp_path / "a"))
     assert code == 0 and "evaluated on training texts (--eval-fraction 0)" in out, err
-    assert "| step | U (ce) | U (CE) | U (KL) |" in out and "per character" not in out
+    assert "| step | U (CE) | U (KL) | U (TV) | mean α |" in out and "per character" not in out
     code, out, err = run_cli(capsys, *common, "--eval-tasks", str(tasks_file), "--task-names", "copy",
-                             "--output", str(tmp_path / "b"))
+                             "--method", "balanced", "--output", str(tmp_path / "b"))
     assert code == 0 and f"evaluated on --eval-tasks {tasks_file}" in out, err
     assert "| copy |" in out and "count" not in out.split("| step |")[1]  # only the task named
     code, _, err = run_cli(capsys, *common, "--eval-fraction", "1", "--output", str(tmp_path / "c"))

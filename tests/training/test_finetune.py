@@ -600,10 +600,9 @@ def test_per_character_measures_rho_on_the_texts_and_names_what_it_lacks():
     tasks = {"short": ["12+3=15;", "4+4=8;", "7+1=8;"], "long": ["the red fox sees a bird.", "a cat.", "no wolf."]}
     result = finetune_drafter(drafter, verifier, tasks, tokenizer=tokenizer, add_special_tokens=True,
                               per_character=True, **{**SMALL, "steps": 1})
-    # one token per character plus <bos>: rho = characters / (characters + texts)
-    for name, texts in tasks.items():
-        chars = sum(len(t) for t in texts)
-        assert result.chars_per_token[name] == pytest.approx(chars / (chars + len(texts)))
+    # one token per character, and <bos> is no text: rho = 1
+    for name in tasks:
+        assert result.chars_per_token[name] == pytest.approx(1.0)
     with pytest.raises(ValueError, match="per_character=True needs the characters per token of task 'a'"):
         finetune_drafter(*make_pair()[::-1], make_tasks(), per_character=True, **SMALL)
     with pytest.raises(ValueError, match=r"chars_per_token has no entry for task\(s\) 'b'"):
@@ -653,8 +652,8 @@ def test_characters_are_counted_only_when_rho_is_measured(monkeypatch):
     measured = finetune_drafter(copy.deepcopy(drafter), verifier, tasks, tokenizer=tokenizer, per_character=True,
                                 **run)
     assert sorted(map(tuple, decoded)) == sorted(tuple(ids) for group in tasks.values() for ids in group)
-    for name, group in texts.items():  # one token per character: rho = 1
-        assert measured.chars_per_token[name] == pytest.approx(sum(map(len, group)) / sum(map(len, tasks[name])))
+    for name in texts:  # one token per character, the <bos> of encode() no text: rho = 1
+        assert measured.chars_per_token[name] == pytest.approx(1.0)
     assert measured.final["U"] == measured.final["U_char_ce"]
 
 
