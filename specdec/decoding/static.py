@@ -44,6 +44,7 @@ from specdec.decoding.sampling import filter_logits_unchecked, rejection_sample_
 from specdec.decoding.slot_cache import SlotCache, slot_attention_mask
 from specdec.decoding.stop_strings import StopStringChecker
 from specdec.kernels.rejection_sampling_reference import exponential_race
+from specdec.kernels.round_commit import MAX_BATCH as ROUND_COMMIT_MAX_BATCH
 from specdec.kernels.round_commit import round_commit_triton
 from specdec.kernels.round_commit_reference import RoundState, round_commit_reference
 
@@ -180,7 +181,8 @@ class StaticEngine:
             self.seq, self.slot_len, self.prev, self.pending, self.generated, self.finished, self.stream_pos,
             self.counters["drafted"], self.counters["accepted"], self.counters["verifier_calls"],
             self.counters["drafter_calls"], self.accepted_per_position, self.attempted_per_position, self.flags)
-        self.fused_commit = use_triton(backend, device)
+        # NOTE: the fused commit holds the batch in one program; larger batches commit through the reference
+        self.fused_commit = use_triton(backend, device) and batch <= ROUND_COMMIT_MAX_BATCH
         self.steps: OrderedDict[Sampling, dict[tuple, Callable[[], None]]] = OrderedDict()  # LRU, MAX_SAMPLINGS
         self.step_seconds: dict[tuple, float] = {}
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None

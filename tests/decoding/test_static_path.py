@@ -242,3 +242,15 @@ def test_the_fused_round_commit_decodes_as_its_reference(verifier, drafter):
     assert torch.equal(runs[0].sequences, runs[1].sequences)
     for name in ("accepted", "drafted", "verifier_calls", "drafter_calls", "accepted_per_position"):
         assert torch.equal(getattr(runs[0].stats, name), getattr(runs[1].stats, name)), name
+
+
+def test_batches_past_the_fused_commits_limit_stay_on_the_static_path(verifier, drafter, monkeypatch):
+    monkeypatch.setattr(static_path, "ROUND_COMMIT_MAX_BATCH", 2)  # (the real limit, 1024 rows, is too slow here)
+    specdec.clear_static_caches()
+    input_ids, attention_mask = _prompts([5, 3, 6], seed=53)
+    out = specdec.generate(verifier, drafter, input_ids, attention_mask, max_new_tokens=6, num_draft_tokens=2,
+                           pad_token_id=0, static=True, backend="triton")
+    assert out.stats.path == "static", out.stats.fallback_reason
+    assert torch.equal(out.sequences, _reference(verifier, input_ids, attention_mask, 6))
+    engine = next(iter(static_path._ENGINES[verifier].values()))
+    assert not engine.fused_commit
