@@ -79,7 +79,7 @@ def test_the_runner_is_reported_and_a_refused_model_says_why():
                                          "decode runner (SiLU only)"
     assert torch.equal(asked.sequences, expected)
     auto = specdec.generate(verifier, drafter, input_ids, attention_mask, max_new_tokens=5, num_draft_tokens=2,
-                            pad_token_id=0, static=True)
+                            pad_token_id=0, static=True, runner="auto")
     assert auto.stats.runner == "hf" and auto.stats.fallback_reason is None  # "auto" falls back silently
     engines = list(static_path._ENGINES[verifier].values())
     kinds = {type(engine.verifier).__name__ for engine in engines}
