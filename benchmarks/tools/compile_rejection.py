@@ -4,7 +4,8 @@ Triton's front end and its NVIDIA back end (the bundled ``ptxas``) run on the CP
 does not raise (a jit helper called without a constexpr argument, a type only the compiler checks) show up here
 instead of on the GPU machine. The kernel variants are those the shipped launch plans launch: the launcher runs on
 meta tensors with :func:`~specdec.kernels.rejection_sampling_plan.plan_launch` asked for an H100, over a grid of
-shapes, dtypes, greedy rows, per-row draft counts and scores (and the portable arithmetic, forced), and its kernel
+shapes, dtypes, greedy rows, per-row draft counts, scores and block verification (and the portable arithmetic,
+forced), and its kernel
 launches are recorded instead of run. By default a set of variants that together take every value of every
 constexpr (and every logit dtype and warp count) is compiled; ``--all`` compiles every distinct variant of the grid.
 ``tests/kernels/test_kernels_compile.py`` runs the default.
@@ -37,7 +38,8 @@ POINTERS = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp
             torch.int32: "*i32", torch.bool: "*i1"}
 GRID = dict(batch=(1, 4, 8, 16, 32, 48, 128), drafts=(1, 4, 6, 8), vocab=(32000, 128256, 151936),
             dtype=(torch.bfloat16, torch.float32, torch.float16),
-            mode=("sampled", "greedy_mask", "greedy", "counts", "scores", "no_fast_math"))
+            mode=("sampled", "greedy_mask", "greedy", "counts", "scores", "no_fast_math", "block", "block_greedy_mask"))
+PAIRED = ("BLOCK_VERIFY", "SINGLE")  # block verification races in both forms of the race loop: covered together
 SHAPE_CONSTEXPRS = ("KP2", "JP2", "SP2", "SP2B")  # follow K and the splits: one value per variant is enough
 
 
@@ -68,16 +70,18 @@ def shipped_variants() -> list[tuple]:
             draft = torch.empty(batch, drafts, vocab, dtype=dtype, **meta)
             tokens = torch.empty(batch, drafts, dtype=torch.int64, **meta)
             keys = torch.empty(batch, dtype=torch.int64, **meta)
-            mask = torch.empty(batch, dtype=torch.bool, **meta) if mode == "greedy_mask" else None
+            mask = torch.empty(batch, dtype=torch.bool, **meta) if mode.endswith("greedy_mask") else None
+            verification = "block" if mode.startswith("block") else "token"
             counts = keys if mode == "counts" else None
             scores = mode == "scores"
             temperature = 0.0 if mode == "greedy" else 0.8
             plan = launcher.plan_launch(batch, drafts, vocab, dtype, H100, scores=scores,
-                                        greedy_rows=mask is not None or temperature == 0)
+                                        greedy_rows=mask is not None or temperature == 0, verification=verification)
             if mode == "no_fast_math":  # the portable arithmetic (the interpreter's), forced on a GPU
                 plan = replace(plan, fast_math=False, fold_scale=False, unpack_bf16=False)
             launcher.rejection_sample_triton(target, draft, tokens, keys, keys, temperature, greedy_mask=mask,
-                                             num_draft_tokens=counts, compute_scores=scores, plan=plan)
+                                             num_draft_tokens=counts, compute_scores=scores, plan=plan,
+                                             verification=verification)
     finally:
         for name, kernel in kernels.items():
             setattr(launcher, name, kernel)
@@ -106,7 +110,8 @@ def covering(variants: list[tuple]) -> list[tuple]:
         kernel, constexprs, signature, warps = variant
         return {(kernel.__name__, k, str(v)) for k, v in constexprs.items() if k not in SHAPE_CONSTEXPRS} | {
             (kernel.__name__, k, v) for k, v in signature.items() if k in ("target_ptr", "draft_ptr")} | {
-            (kernel.__name__, "num_warps", warps)}
+            (kernel.__name__, "num_warps", warps)} | ({(kernel.__name__, PAIRED, tuple(constexprs[k] for k in PAIRED))}
+                                                     if all(k in constexprs for k in PAIRED) else set())
 
     left = set().union(*(features(v) for v in variants))
     chosen = []
