@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from specdec import data
-from specdec._paths import PACKAGE_DIR, source_checkout
+from specdec._paths import PACKAGE_DIR, follow_umask, source_checkout
 from specdec._validation import folder_problem
 from specdec.fairness.teacher_forcing import pad_batch
 
@@ -271,6 +271,7 @@ def get_demo_pair(cache_dir: str | os.PathLike | None = None, *, config: PairCon
             model.save_pretrained(staging / name)
             tokenizer.save_pretrained(staging / name)  # each folder works alone with `specdec generate` and HF
         (staging / PAIR_META_NAME).write_text(json.dumps(info, indent=2), encoding="utf-8")
+        follow_umask(staging)  # mkdtemp and safetensors make 0700 / 0600; the cached pair is ordinary files
         if pair_dir.exists():
             shutil.rmtree(pair_dir)
         os.replace(staging, pair_dir)

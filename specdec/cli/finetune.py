@@ -9,18 +9,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+from specdec._paths import follow_umask
 from specdec.cli.loading import UsageError, check_output_folder, load_pair, load_task_source
 
 RESUME_EXIT_CODE = 130  # as for any command stopped by Ctrl-C
 
 
 def default_checkpoint_dir(output: Path) -> Path:
-    """Where ``specdec finetune --output OUTPUT`` keeps its checkpoint without ``--checkpoint-dir``."""
+    """Where ``specdec finetune --output OUTPUT`` keeps its checkpoint without ``--checkpoint-dir``: the folder
+    ``OUTPUT.checkpoint`` beside it."""
+    output = Path(os.path.abspath(output))  # "." and "out/" have a name too
     return output.with_name(output.name + ".checkpoint")
 
 
@@ -105,9 +110,11 @@ def command_finetune(args: argparse.Namespace) -> int:
         return RESUME_EXIT_CODE
     except CheckpointError as error:
         raise UsageError(f"{error} (on the command line: --checkpoint-dir elsewhere, or --no-resume)") from None
+    saving = time.time() - 1.0  # (file times may be coarser than time.time())
     args.output.mkdir(parents=True, exist_ok=True)
     drafter.save_pretrained(args.output)
     tokenizer.save_pretrained(args.output)
+    follow_umask(args.output, since=saving)  # safetensors writes 0600 files; the saved drafter is ordinary files
     print(f"method {result.method}, weight basis {result.weight_basis}, {result.steps} steps")
     if result.held_out is not None:
         counts = sorted({len(indices) for indices in result.held_out.values()})

@@ -237,7 +237,7 @@ def _used_texts(name: str, tokens: list[list[int]], max_length: int | None) -> t
         raise ValueError(f"tasks[{name!r}].texts has no text of at least 2 tokens (nothing to teacher-force)")
     if len(used) < len(cut):
         warnings.warn(f"task {name!r}: {len(cut) - len(used)} of its {len(cut)} texts have fewer than 2 tokens and are "
-                      f"left out of its figures (num_texts = {len(used)})", SpecdecWarning, stacklevel=3)
+                      f"left out of its figures (num_texts = {len(used)})", SpecdecWarning, stacklevel=4)
     return [cut[index] for index in used], used
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from specdec._models import model_device
+from specdec._paths import follow_umask
 
 CHECKPOINT_NAME = "drafter_checkpoint.safetensors"
 CHECKPOINT_FORMAT = "specdec-finetune-checkpoint-1"
@@ -97,19 +98,12 @@ def save_checkpoint(path: str, drafter: torch.nn.Module, optimizer: torch.optim.
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=metadata)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's file is 0600; a checkpoint is an ordinary file
+        follow_umask(tmp)  # mkstemp and save_file make it 0600; a checkpoint is an ordinary file
         load_checkpoint(tmp)  # verify what actually reached the disk before it replaces anything
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-
-
-def _umask() -> int:
-    """The process's umask (read by setting it and putting it back)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def load_checkpoint(path: str) -> dict[str, Any]:
@@ -179,8 +173,9 @@ def cuda_rng_states(tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
     return [tensors[key] for key in sorted(keys, key=lambda key: int(key[len(CUDA_RNG_PREFIX):]))]
 
 
-_VOLATILE_CONFIG_KEYS = ("transformers_version", "dtype", "torch_dtype", "name_or_path")
-"""Config entries that say where or how a model was loaded, not what it is (the weights digest covers dtypes)."""
+_VOLATILE_CONFIG_KEYS = ("transformers_version", "dtype", "torch_dtype", "name_or_path", "architectures")
+"""Config entries that say where, how or by what class a model was loaded or saved, not what it computes (the
+weights digest covers dtypes; ``save_pretrained`` fills in ``architectures``)."""
 
 
 def drafter_identity(drafter: torch.nn.Module) -> dict[str, str]:

@@ -61,7 +61,9 @@ class FinetuneConfig:
             replaces it at the first save.
         seed (int, default 0): in [0, 2**64), seeds the minibatch sampler.
         backend (str, default ``"auto"``): ``"auto"`` | ``"triton"`` | ``"torch"``, the divergence kernels.
-        autocast (bool | None, default None): bf16 autocast of the forward passes; None turns it on on CUDA only.
+        autocast (bool | None, default None): bf16 autocast of the training steps' forward passes, the output
+            heads kept in float32 (float32 logits [N, V] for the weights and the loss: twice the memory of bf16
+            ones); the evaluations always run in float32. None turns it on on CUDA only.
         per_character (bool, default False): take the corrective (or exact-variance) weights on per-character values
             ``v_i / rho_i`` and minimise ``sum_i w_i K_i / rho_i``, with ``rho_i`` the characters per token of task i
             (see this module's docstring); needs ``method`` ``"scdf"`` or ``"exact_variance"``, and string texts with

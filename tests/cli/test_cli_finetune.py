@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 from pathlib import Path
 
 import pytest
@@ -106,8 +107,13 @@ def test_ctrl_c_saves_a_checkpoint_and_prints_the_command_that_resumes(capsys, p
     assert resume_line.startswith("specdec finetune --verifier ") and "'" + str(output) + "'" in resume_line
     assert "--no-resume" not in resume_line
     monkeypatch.setattr(finetune_module, "_draw_global_batch", draw)
-    code, out, err = run_cli(capsys, *argv)  # the same command, as printed
+    previous = os.umask(0o022)
+    try:
+        code, out, err = run_cli(capsys, *argv)  # the same command, as printed
+    finally:
+        os.umask(previous)
     assert code == 0 and "saved the finetuned drafter" in out, err
+    assert stat.S_IMODE((output / "model.safetensors").stat().st_mode) == 0o644  # not safetensors' 0600
     assert not default_checkpoint(output).exists()
     resumed, uninterrupted = saved_weights(output), saved_weights(whole)
     for name, value in uninterrupted.items():
@@ -157,3 +163,15 @@ def test_idle_cpus_reads_a_share_of_the_cpus_this_process_may_use():
         assert idle is None
     else:
         assert 0.0 <= idle <= len(os.sched_getaffinity(0)) + 1e-9
+
+
+def test_the_demo_pair_folder_follows_the_umask(tmp_path):
+    from specdec.cli import demo
+
+    previous = os.umask(0o022)
+    try:
+        pair = demo.get_demo_pair(tmp_path, config=demo.default_pair_config(quick=True), progress=False)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(pair.path.stat().st_mode) == 0o755
+    assert stat.S_IMODE((pair.path / "drafter" / "model.safetensors").stat().st_mode) == 0o644
