@@ -164,7 +164,7 @@ def timed(fn, repeats: int) -> tuple[float, float, object]:
 
 def step_cost_ratio(verifier, drafter, batch: int, vocab: int, static: bool, compiled: bool = False) -> float:
     """c = one drafter decoding step / one verifier decoding step, on the static path (graph replays) or eager."""
-    from specdec.decoding.static import _median_seconds
+    from specdec.decoding.timing import median_seconds
 
     engine = get_engine(verifier, drafter, batch, 256, vocab, 1, 1, torch.device("cuda"), "auto", True, compiled)
     ids = torch.zeros((batch, 1), dtype=torch.int64, device="cuda")
@@ -176,7 +176,7 @@ def step_cost_ratio(verifier, drafter, batch: int, vocab: int, static: bool, com
 
         if static:
             step = engine._capture(step)
-        seconds[name] = _median_seconds(step, torch.device("cuda"), 20)
+        seconds[name] = median_seconds(step, torch.device("cuda"), 20)
     return seconds["drafter"] / seconds["verifier"]
 
 

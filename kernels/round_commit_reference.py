@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RoundState", "round_commit_reference"]
+__all__ = ["RoundState", "add_position_counts", "round_commit_reference", "round_emission"]
 
 
 @dataclass
@@ -82,6 +82,15 @@ def round_emission(tokens: torch.Tensor, num_accepted: torch.Tensor, num_drafts:
     return emit, hit_eos, accepted, attempted
 
 
+def add_position_counts(accepted_per_position: torch.Tensor, attempted_per_position: torch.Tensor,
+                        accepted: torch.Tensor, attempted: torch.Tensor, num_drafts: int) -> None:
+    """Adds a round's counts to the [B, K_max] int64 per-position counters in place: position ``j < K`` gains one
+    where ``j < accepted`` ([B] int64) and where ``j < attempted`` ([B] int64)."""
+    position = torch.arange(num_drafts, device=accepted.device)
+    accepted_per_position[:, :num_drafts] += position < accepted[:, None]
+    attempted_per_position[:, :num_drafts] += position < attempted[:, None]
+
+
 def round_commit_reference(state: RoundState, tokens: torch.Tensor, num_accepted: torch.Tensor, bad: torch.Tensor,
                            max_new: torch.Tensor, eos: torch.Tensor, num_drafts: int) -> None:
     """Commits one round into ``state`` in place (the formula in the module docstring).
@@ -110,8 +119,6 @@ def round_commit_reference(state: RoundState, tokens: torch.Tensor, num_accepted
     state.drafted.add_(active * num_drafts)
     state.drafter_calls.add_(active * num_drafts)
     state.accepted.add_(accepted)
-    position = torch.arange(num_drafts, device=tokens.device)
-    state.accepted_per_position[:, :num_drafts] += position < accepted[:, None]
-    state.attempted_per_position[:, :num_drafts] += position < attempted[:, None]
+    add_position_counts(state.accepted_per_position, state.attempted_per_position, accepted, attempted, num_drafts)
     state.flags.copy_(torch.stack([state.finished.all().to(torch.int64), bad.to(torch.int64), accepted.sum(),
                                    attempted.sum(), count.sum()]))

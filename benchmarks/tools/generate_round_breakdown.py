@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_generate import SHAPES, DeepScale, build_pair, calibrate  # noqa: E402
 
 import specdec  # noqa: E402
-from specdec.decoding.static import Sampling, _median_seconds, clear_engines, get_engine  # noqa: E402
+from specdec.decoding.static import Sampling, clear_engines, get_engine
+from specdec.decoding.timing import median_seconds  # noqa: E402
 
 
 def main() -> None:
@@ -52,7 +53,7 @@ def main() -> None:
                 slots = 100 + torch.arange(width, device=cuda).expand(batch, width)
                 step = engine._capture(lambda model=model, ids=ids, slots=slots, width=width:
                                        model.forward(ids, slots, width))
-                times[name] = _median_seconds(step, cuda, 30) * 1e3
+                times[name] = median_seconds(step, cuda, 30) * 1e3
             round0 = engine.round_seconds(0, greedy, 30) * 1e3
             round_k = engine.round_seconds(k, greedy, 30) * 1e3
             modelled = (k * times["draft_1"] / times["verify_1"] + 1) * times["verify_1"]

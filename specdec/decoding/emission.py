@@ -9,16 +9,7 @@ its one-launch round commit (:mod:`specdec.kernels.round_commit`).
 
 from __future__ import annotations
 
-import torch
-
+from specdec.kernels.round_commit_reference import add_position_counts
 from specdec.kernels.round_commit_reference import round_emission as emission
 
 __all__ = ["add_position_counts", "emission"]
-
-
-def add_position_counts(accepted_per_position: torch.Tensor, attempted_per_position: torch.Tensor,
-                        accepted: torch.Tensor, attempted: torch.Tensor, num_drafts: int) -> None:
-    """Adds a round's counts to the [B, K_max] per-position counters in place (position j < accepted / attempted)."""
-    position = torch.arange(num_drafts, device=accepted.device)
-    accepted_per_position[:, :num_drafts] += position < accepted[:, None]
-    attempted_per_position[:, :num_drafts] += position < attempted[:, None]

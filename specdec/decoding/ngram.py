@@ -30,13 +30,13 @@ a rejected draft is overwritten by the token that replaces it.
 
 from __future__ import annotations
 
-import time
 import weakref
 from dataclasses import dataclass
 
 import torch
 
 from specdec._validation import check_int_at_least
+from specdec.decoding.timing import capture_graph, median_seconds
 
 NGRAM = "ngram"  # the ``drafter`` shorthand for ``ngram_drafter()``
 PREFIX_CHUNK = 256  # prefixes per block in :func:`prefix_proposals` (bounds its [B, chunk, L] match tables)
@@ -302,32 +302,8 @@ def ngram_step_seconds(drafter: NgramDrafter, batch: int, context: int, vocab: i
     def call() -> None:
         slot.forward(ids, slots, 1)
 
-    step = call
-    if device.type == "cuda":
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            call()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            call()
-        step = graph.replay
-    step()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            begin = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - begin)
-    return sorted(times)[len(times) // 2]
+    step = capture_graph(call, device) if device.type == "cuda" else call
+    return median_seconds(step, device, repeats)
 
 
 def prefix_logits(drafter: NgramDrafter, input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab: int,

@@ -25,7 +25,6 @@ generated slots the prompt's real-token count plus the generated index.
 from __future__ import annotations
 
 import inspect
-import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from specdec.decoding.processors import TokenProcessors, draft_contexts, mark_se
 from specdec.decoding.sampling import filter_logits_unchecked, rejection_sample_unchecked
 from specdec.decoding.slot_cache import SlotCache, slot_attention_mask
 from specdec.decoding.stop_strings import StopStringChecker
+from specdec.decoding.timing import capture_graph, median_seconds
 from specdec.kernels.rejection_sampling_reference import exponential_race
 from specdec.kernels.round_commit import MAX_BATCH as ROUND_COMMIT_MAX_BATCH
 from specdec.kernels.round_commit import round_commit_triton
@@ -395,15 +395,7 @@ class StaticEngine:
                 body()
             return body
         self._park()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            body()  # compiles Triton kernels and lets lazily built tensors exist before capture
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            body()
-        return graph.replay
+        return capture_graph(body, self.device, self.pool)
 
     def prepare(self, draft_lengths: tuple[int, ...], sampling: Sampling) -> DraftLengthController | None:
         """Captures every round a call may run before its state is live; for several K (``"auto"``) also the
@@ -421,7 +413,7 @@ class StaticEngine:
         if key not in self.step_seconds:
             replay = self.step("round", num_drafts, sampling)
             self._park()  # (timing replays must not advance a live state)
-            self.step_seconds[key] = _median_seconds(replay, self.device, repeats)
+            self.step_seconds[key] = median_seconds(replay, self.device, repeats)
         return self.step_seconds[key]
 
     def apply_stop(self, checker: StopStringChecker, prompt_len: int, generated_before: torch.Tensor,
@@ -446,24 +438,6 @@ class StaticEngine:
             torch.cuda.current_stream(self.device).synchronize()
             return self.flags_host.tolist()
         return self.flags.tolist()
-
-
-def _median_seconds(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - begin)
-    return sorted(times)[len(times) // 2]
 
 
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
