@@ -3,8 +3,10 @@
 transformers applies, in this order, to the fp32 logits of the next token (``_get_logits_processor``):
 
 * ``repetition_penalty`` θ (``RepetitionPenaltyLogitsProcessor``): for every token id x in the context,
-  ``l_x <- l_x * θ`` if ``l_x < 0`` else ``l_x / θ``. The context is the prompt from the row's first attended column
-  on (transformers 5 passes the left padding as ``prompt_ignore_length``) and every generated token.
+  ``l_x <- l_x * θ`` if ``l_x < 0`` else ``l_x / θ``. The context is every generated token and the prompt: from the
+  row's first attended column on where the installed transformers passes the left padding as
+  ``prompt_ignore_length`` (newer 5.x releases), the whole padded row, pad ids included, where it does not (5.17 and
+  earlier), so that the penalty is the installed ``generate``'s.
 * ``min_new_tokens`` m (``MinNewTokensLengthLogitsProcessor``; ``min_length`` folds into it): while fewer than m
   tokens have been generated, every eos logit is ``-inf``.
 
@@ -18,6 +20,9 @@ round captured in a CUDA graph reads no host value; each round's processors are 
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 import torch
 
@@ -63,11 +68,30 @@ class TokenProcessors:
         mark_seen(self.seen, tokens, emit)
 
 
-def prompt_context(input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, V + 1] bool: the ids of each prompt from its first attended column on (transformers' penalty context)."""
+@functools.cache
+def penalty_skips_left_padding() -> bool:
+    """Whether the installed transformers leaves each row's left padding out of the repetition penalty's context
+    (its ``_get_logits_processor`` passes ``prompt_ignore_length``); older releases penalise the pad ids too."""
+    from transformers.generation.utils import GenerationMixin
+
+    try:
+        return "prompt_ignore_length" in inspect.getsource(GenerationMixin._get_logits_processor)
+    except (OSError, TypeError):  # no source shipped: the current behaviour
+        return True
+
+
+def prompt_context(input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab: int,
+                   skip_left_padding: bool | None = None) -> torch.Tensor:
+    """[B, V + 1] bool: the ids of each prompt ([B, L] int64, mask [B, L]) that the repetition penalty sees, as in
+    the installed transformers: from the row's first attended column on, or the whole row with its pad ids when
+    ``skip_left_padding`` is False (default: :func:`penalty_skips_left_padding`)."""
     batch, width = input_ids.shape
+    if skip_left_padding is None:
+        skip_left_padding = penalty_skips_left_padding()
     mask = attention_mask != 0
     first = mask.to(torch.int64).argmax(dim=1)  # [B] first attended column
+    if not skip_left_padding:
+        first = torch.zeros_like(first)
     keep = torch.arange(width, device=input_ids.device)[None, :] >= first[:, None]
     ids = torch.where(keep, input_ids.to(torch.int64).clamp(0, vocab), vocab)  # (ids past V cannot be emitted)
     seen = torch.zeros((batch, vocab + 1), dtype=torch.bool, device=input_ids.device)

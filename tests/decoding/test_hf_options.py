@@ -4,6 +4,7 @@ paths (static slot caches, eager dynamic caches). Greedy decoding with `repetiti
 a streamer receives exactly the new tokens; `logprobs` are the verifier's processed log-probabilities; sampling with
 the processors follows the verifier's processed law (chi-square near 10 sigma); unsupported options are named."""
 
+import inspect
 import string
 
 import pytest
@@ -17,6 +18,7 @@ from transformers.generation.logits_process import (
 
 import specdec
 from specdec.decoding.hf_options import resolve_options
+from specdec.decoding.processors import penalty_skips_left_padding, prompt_context
 
 from models import byte_level_tokenizer, left_padded_prompts, perturbed_copy, tiny_llama
 from stats import assert_follows
@@ -183,6 +185,27 @@ def _processed_logprobs(verifier, prompt: torch.Tensor, new_tokens: torch.Tensor
             scores = processor(context, scores)
         result.append(torch.log_softmax(scores[0], dim=-1)[token])
     return torch.stack(result)
+
+
+@pytest.mark.parametrize("skip_left_padding", [True, False], ids=["unpadded-context", "padded-context"])
+def test_the_penalty_context_is_what_transformers_penalises(skip_left_padding):
+    # transformers' own processor on the padded rows, with or without prompt_ignore_length = the left padding
+    input_ids, attention_mask = left_padded_prompts([3, 6, 1], 12, seed=2)
+    padding = (attention_mask != 0).int().argmax(dim=1) if skip_left_padding else None
+    penalty = RepetitionPenaltyLogitsProcessor(2.0)
+    expected = []
+    for row in range(3):
+        start = int(padding[row]) if padding is not None else 0
+        expected.append(penalty(input_ids[row: row + 1, start:], torch.ones(1, 12))[0] != 1.0)
+    seen = prompt_context(input_ids, attention_mask, 12, skip_left_padding=skip_left_padding)
+    assert torch.equal(seen[:, :12], torch.stack(expected))
+    assert bool(seen[0, 0]) is not skip_left_padding  # row 0 has 3 pad ids (0); its prompt ids are at least 3
+
+
+def test_the_penalty_context_follows_the_installed_transformers():
+    from transformers.generation.utils import GenerationMixin
+    source = inspect.getsource(GenerationMixin._get_logits_processor)
+    assert penalty_skips_left_padding() == ("prompt_ignore_length" in source)
 
 
 @PATHS
