@@ -12,9 +12,11 @@ Providers
                     schedule and no confidence cut-off (batch 1: transformers supports no other)
     specdec_eager   ``specdec.generate(static=False)`` (dynamic caches, eager forward calls)
     specdec_plain   ``specdec.generate(num_draft_tokens=0)``: the static path without speculation
-    specdec_static  ``specdec.generate()`` (the static path: slot caches, rounds replayed from CUDA graphs)
+    specdec_static  ``specdec.generate()`` (the static path: slot caches, rounds replayed from CUDA graphs; the models
+                    on ``--runner``, default "auto": the native decode runner where it applies)
     specdec_auto    ``specdec.generate(num_draft_tokens="auto")``
-    *_compiled      the same with ``compile=True`` (each model's forward fused by torch.compile, then captured)
+    *_compiled      the same with ``compile=True`` on the HF forward (``runner="hf"``: each model's forward fused by
+                    torch.compile, then captured)
 
 Models (random bf16 weights; nothing is downloaded)
     llama-1b  Llama-3.2-1B's shape: hidden 2048, 16 layers, 32 query / 8 KV heads, MLP 8192, vocab 128256, tied head
@@ -162,11 +164,14 @@ def timed(fn, repeats: int) -> tuple[float, float, object]:
     return first, statistics.median(times), out
 
 
-def step_cost_ratio(verifier, drafter, batch: int, vocab: int, static: bool, compiled: bool = False) -> float:
-    """c = one drafter decoding step / one verifier decoding step, on the static path (graph replays) or eager."""
+def step_cost_ratio(verifier, drafter, batch: int, vocab: int, static: bool, compiled: bool = False,
+                    runner: str = "auto") -> float:
+    """c = one drafter decoding step / one verifier decoding step, on the static path (graph replays, on ``runner``)
+    or eager."""
     from specdec.decoding.timing import median_seconds
 
-    engine = get_engine(verifier, drafter, batch, 256, vocab, 1, 1, torch.device("cuda"), "auto", True, compiled)
+    engine = get_engine(verifier, drafter, batch, 256, vocab, 1, 1, torch.device("cuda"), "auto", True, compiled,
+                        runner=runner if static and not compiled else "hf")
     ids = torch.zeros((batch, 1), dtype=torch.int64, device="cuda")
     slots = torch.full((batch, 1), 100, dtype=torch.int64, device="cuda")
     seconds = {}
@@ -197,13 +202,14 @@ def run_case(args, env: dict, verifier, drafter, scale: DeepScale | None, prompt
     if sampling:
         hf_kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
     sd_kwargs = dict(temperature=temperature, seed=0) if sampling else {}
+    sd_kwargs["runner"] = args.runner
 
     def hf(**extra):
         return lambda: verifier.generate(prompts, **hf_kwargs, **extra)[:, prompts.shape[1]:]
 
     def sd(**extra):
         return lambda: specdec.generate(verifier, drafter, prompts, attention_mask=mask, max_new_tokens=new_tokens,
-                                        pad_token_id=0, **sd_kwargs, **extra)
+                                        pad_token_id=0, **{**sd_kwargs, **extra})
 
     eps = (calibrate(scale, verifier, drafter, prompts, target, new_tokens, temperature=temperature)
            if scale is not None else float("nan"))
@@ -228,6 +234,7 @@ def run_case(args, env: dict, verifier, drafter, scale: DeepScale | None, prompt
                          acceptance_rate=round(last_stats[0].total_acceptance_rate, 4)
                          if provider.startswith("specdec") and k else "",
                          path=last_stats[0].path if provider.startswith("specdec") else "",
+                         runner=last_stats[0].runner if provider.startswith("specdec") else "",
                          setup_s=round(last_stats[0].setup_time_s, 3) if provider.startswith("specdec") else ""))
         print({key: rows[-1][key] for key in ("model", "alpha_target", "batch", "num_draft_tokens", "provider",
                                               "verification", "alpha", "c", "tokens_per_s", "achieved_over_predicted",
@@ -256,7 +263,7 @@ def run_case(args, env: dict, verifier, drafter, scale: DeepScale | None, prompt
         first, eager_plain_s, out = timed(sd(num_draft_tokens=0, static=False), 1)
         row("specdec_eager", 0, first, eager_plain_s, tokens_of(out))
         c_eager = step_cost_ratio(verifier, drafter, batch, vocab, False)
-    c_static = step_cost_ratio(verifier, drafter, batch, vocab, True)
+    c_static = step_cost_ratio(verifier, drafter, batch, vocab, True, runner=args.runner)
     for k in args.ks if wanted("specdec_static") else []:
         for verification in args.verifications:
             first, seconds, out = timed(sd(num_draft_tokens=k, verification=verification), args.repeats)
@@ -278,14 +285,14 @@ def run_case(args, env: dict, verifier, drafter, scale: DeepScale | None, prompt
         plain_s / seconds)
     rows[-1]["mean_draft_tokens"] = round(out.stats.summary()["mean_draft_length"], 2)
     if args.compiled:
-        first, plain_s, out = timed(sd(num_draft_tokens=0, compile=True), args.repeats)
+        first, plain_s, out = timed(sd(num_draft_tokens=0, compile=True, runner="hf"), args.repeats)
         row("specdec_plain_compiled", 0, first, plain_s, tokens_of(out))
         c_compiled = step_cost_ratio(verifier, drafter, batch, vocab, True, compiled=True)
         for k in args.compiled_ks if wanted("specdec_compiled") else []:
-            first, seconds, out = timed(sd(num_draft_tokens=k, compile=True), args.repeats)
+            first, seconds, out = timed(sd(num_draft_tokens=k, compile=True, runner="hf"), args.repeats)
             row("specdec_compiled", k, first, seconds, tokens_of(out), alpha_of(out), c_compiled,
                 plain_s / seconds)
-        first, seconds, out = timed(sd(num_draft_tokens="auto", compile=True), args.repeats)
+        first, seconds, out = timed(sd(num_draft_tokens="auto", compile=True, runner="hf"), args.repeats)
         row("specdec_auto_compiled", "auto", first, seconds, tokens_of(out), alpha_of(out),
             c_compiled, plain_s / seconds)
         rows[-1]["mean_draft_tokens"] = round(out.stats.summary()["mean_draft_length"], 2)
@@ -460,6 +467,8 @@ def main() -> None:
     parser.add_argument("--verification", default="token",
                         help="comma-separated schemes of the specdec_static / specdec_eager rows among token, block "
                              "(default: token)")
+    parser.add_argument("--runner", default="auto", choices=["auto", "native", "hf"],
+                        help="specdec.generate's runner for the static rows (default: auto)")
     parser.add_argument("--out", default=RESULTS, help=f"CSV to merge rows into (default: {RESULTS})")
     parser.add_argument("--step", action="store_true", help="run the step benchmark instead (module docstring)")
     parser.add_argument("--step-models", default="llama-1b,12x768,24x1024,llama-3b",

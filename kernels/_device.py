@@ -41,6 +41,14 @@ def major_capability(device: torch.device) -> int:
     return _cuda_properties(_index(device)).major if device.type == "cuda" else 0
 
 
+def shared_memory_per_block(device: torch.device) -> int:
+    """Bytes of shared memory one program may use on a CUDA device (the opt-in maximum; 227 KiB on Hopper); the
+    48 KiB every CUDA device has where the property is unknown or off CUDA."""
+    if device.type != "cuda":
+        return 48 * 1024
+    return int(getattr(_cuda_properties(_index(device)), "shared_memory_per_block_optin", 48 * 1024))
+
+
 def launching_on(device: torch.device) -> contextlib.AbstractContextManager:
     """Make a CUDA ``device`` current for a launch (Triton launches on the current device); a no-op elsewhere."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

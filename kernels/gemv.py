@@ -26,10 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import DECODE_PDL, INTERPRETER, launching_on, major_capability, sm_count
+from ._device import DECODE_PDL, INTERPRETER, launching_on, major_capability, shared_memory_per_block, sm_count
 from .gemv_reference import EPILOGUES, gemv_reference, output_features
 
-__all__ = ["MAX_ROWS", "GemvPlan", "gemv_plan", "gemv_triton"]
+__all__ = ["MAX_ROWS", "GemvPlan", "gemv_plan", "gemv_triton", "shared_memory_bytes"]
 
 MAX_ROWS = 64  # rows the kernel serves; past this cuBLAS (torch) reads each weight once too and computes faster
 BROADCAST_ELEMENTS = 4096  # float32 accumulators of a broadcast program (4 warps: 32 a thread)
@@ -83,8 +83,20 @@ def gemv_plan(rows: int, features: int, reduction: int, dtype: torch.dtype, devi
     # tensor-core tiles keep 32 features (16 was 1.36x slower on the 5-row llama-1b step).
     while block_n > (32 if dot else 1) and triton.cdiv(features, block_n) < target:
         block_n //= 2
+    num_stages = 3
+    # NOTE: tensor-core tiles keep num_stages - 1 buffers of the x tile and the weight tile (gate and up rows for
+    # "silu_mul") in shared memory: float32 or 64-row calls shorten the chunk to fit the device
+    while dot and block_k > 16 and shared_memory_bytes(block_m, block_n, block_k, num_stages,
+                                                      dtype) > shared_memory_per_block(device):
+        block_k //= 2
     return GemvPlan(matmul=False, block_m=block_m, block_n=block_n, block_k=block_k, dot=dot, num_warps=4,
-                    num_stages=3, pdl=DECODE_PDL and major_capability(device) >= 9)
+                    num_stages=num_stages, pdl=DECODE_PDL and major_capability(device) >= 9)
+
+
+def shared_memory_bytes(block_m: int, block_n: int, block_k: int, num_stages: int, dtype: torch.dtype) -> int:
+    """Shared memory of a tensor-core program, bounded above: ``num_stages - 1`` pipelined buffers of a
+    ``[block_m, block_k]`` x tile and the ``[2 block_n, block_k]`` gate and up weight tiles."""
+    return (num_stages - 1) * (block_m + 2 * block_n) * block_k * dtype.itemsize
 
 
 @triton.jit

@@ -186,7 +186,7 @@ def generate(
     repetition_penalty: float | None = None,
     num_return_sequences: int | None = None,
     output_logprobs: bool = False,
-    runner: str = "hf",
+    runner: str = "auto",
     verification: str = "token",
     **hf_options: Any,
 ) -> GenerateOutput:
@@ -242,7 +242,8 @@ def generate(
         The static path (preallocated per-row KV caches; on CUDA every round replayed from a CUDA graph). None: on for
         CUDA inputs, off on the CPU. A model it cannot run falls back to the eager path (``stats.fallback_reason``).
     compile : bool
-        On the static path, fuse each model's forward with ``torch.compile`` before capture (tens of seconds once).
+        On the static path, fuse each HF forward with ``torch.compile`` before capture (tens of seconds once); models
+        on the native runner are not compiled (``stats.compiled`` says whether any model was).
     generation_config : transformers.GenerationConfig, optional
         Read as transformers reads it: its unset fields come from ``verifier.generation_config``, then from
         transformers' global defaults (``max_length=20``, ``top_k=50``, ...). Keywords override it. Without it
@@ -274,9 +275,9 @@ def generate(
         What runs a model's decoding steps on the static path. ``"native"``: the native decode runner (Llama,
         Mistral, Qwen2, Qwen3: specdec's kernels over the user's weights, a step costing about its weight reads; it
         implies the static path, also on the CPU); a model it cannot run keeps its HF forward and
-        ``stats.fallback_reason`` says why. ``"auto"``: native for every model it can run. ``"hf"`` (default): each
-        model's own forward (the native runner is opt-in until its GPU test suite runs clean). ``stats.runner``
-        reports the runner used. Models on the native runner are not compiled.
+        ``stats.fallback_reason`` says why. ``"auto"`` (default): native for every model it can run. ``"hf"``: each
+        model's own forward. ``stats.runner`` reports the runner used. Models on the native runner are not
+        compiled (``compile=True`` with ``runner="hf"`` compiles the HF forward).
     output_logprobs : bool
         Also return ``logprobs`` [B * n, generated] float32: the log-probability of each new token under the
         verifier's law it was drawn from, ``log_softmax(processed logits)`` (greedy: processors, temperature 1).

@@ -24,6 +24,7 @@ generated slots the prompt's real-token count plus the generated index.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
 from collections import OrderedDict
@@ -185,7 +186,11 @@ class StaticEngine:
         self.fused_commit = use_triton(backend, device) and batch <= ROUND_COMMIT_MAX_BATCH
         self.steps: OrderedDict[Sampling, dict[tuple, Callable[[], None]]] = OrderedDict()  # LRU, MAX_SAMPLINGS
         self.step_seconds: dict[tuple, float] = {}
-        self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        # NOTE: a MemPool holds the shared graph pool open for the engine's life; a bare pool handle is closed when
+        # every graph in it is released (LRU eviction) while blocks outlive them, and the next capture aborts
+        with torch.cuda.device(device) if use_graphs else contextlib.nullcontext():
+            self.memory_pool = torch.cuda.MemPool() if use_graphs else None
+        self.pool = self.memory_pool.id if use_graphs else None
         self._park()
         # one eager call per model allocates the cache buffers before any capture
         ids = zeros(batch, 1)

@@ -169,18 +169,21 @@ def test_greedy_logprobs_equal_transformers_transition_scores(pair, scenario, st
 
 
 def _processed_logprobs(verifier, prompt: torch.Tensor, new_tokens: torch.Tensor, penalty: float, min_new: int,
-                        eos: int, temperature: float) -> torch.Tensor:
+                        eos: int, temperature: float, padding: torch.Tensor) -> torch.Tensor:
     """[T] float64: log-probability of each new token of one row under transformers' processors (penalty, min new
-    tokens, temperature), teacher-forced on the unpadded row."""
+    tokens, temperature), teacher-forced on the unpadded row; the penalty also sees the row's ``padding`` ids where
+    the installed transformers penalises them."""
     sequence = torch.cat([prompt, new_tokens])
     with torch.no_grad():
         logits = verifier(sequence[None]).logits[0, prompt.shape[0] - 1: -1].double()
-    processors = [RepetitionPenaltyLogitsProcessor(penalty),
-                  MinNewTokensLengthLogitsProcessor(prompt.shape[0], min_new, [eos], device=str(prompt.device)),
+    penalised_prefix = padding[None] if not penalty_skips_left_padding() else padding[None, :0]
+    repetition = RepetitionPenaltyLogitsProcessor(penalty)
+    processors = [MinNewTokensLengthLogitsProcessor(prompt.shape[0], min_new, [eos], device=str(prompt.device)),
                   TemperatureLogitsWarper(temperature)]
     result = []
     for index, token in enumerate(new_tokens.tolist()):
-        context, scores = sequence[None, : prompt.shape[0] + index], logits[index][None]
+        context = sequence[None, : prompt.shape[0] + index]
+        scores = repetition(torch.cat([penalised_prefix, context], dim=1), logits[index][None])
         for processor in processors:
             scores = processor(context, scores)
         result.append(torch.log_softmax(scores[0], dim=-1)[token])
@@ -218,9 +221,10 @@ def test_sampled_logprobs_are_the_processed_verifier_law(pair, scenario, static)
     width = input_ids.shape[1]
     for row in range(input_ids.shape[0]):
         generated = int(out.stats.generated[row])
-        reference = _processed_logprobs(verifier, input_ids[row, attention_mask[row].bool()],
-                                        out.sequences[row, width: width + generated], options["repetition_penalty"],
-                                        options["min_new_tokens"], options["eos_token_id"], 0.8)
+        mask = attention_mask[row].bool()
+        reference = _processed_logprobs(verifier, input_ids[row, mask], out.sequences[row, width: width + generated],
+                                        options["repetition_penalty"], options["min_new_tokens"],
+                                        options["eos_token_id"], 0.8, input_ids[row, ~mask])
         assert torch.allclose(out.logprobs[row, :generated].double(), reference, atol=1e-4), row
 
 
@@ -358,8 +362,10 @@ def test_gpu_triton_sampler_and_compiled_rounds_keep_the_hf_options_exact(pair, 
     input_ids, attention_mask, options, expected = scenario
     for num_draft_tokens, compile_models in ((3, True), ("auto", False)):
         out = specdec.generate(verifier, drafter, input_ids, attention_mask, num_draft_tokens=num_draft_tokens,
-                               output_logprobs=True, compile=compile_models, **options)
+                               output_logprobs=True, compile=compile_models,
+                               runner="hf" if compile_models else "auto", **options)
         assert out.stats.path == "static" and out.stats.compiled == compile_models
+        assert out.stats.runner == ("hf" if compile_models else "native")
         assert torch.equal(out.sequences, expected)
     for static in (False, True):
         _check_processed_law(static, rows=50000, backend="triton")

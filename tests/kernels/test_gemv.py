@@ -5,7 +5,7 @@ norm prologue, the residual and SiLU-mul epilogues; past the row limit the plan 
 import pytest
 import torch
 
-from specdec.kernels.gemv import MAX_ROWS, GemvPlan, gemv_plan, gemv_triton
+from specdec.kernels.gemv import MAX_ROWS, GemvPlan, gemv_plan, gemv_triton, shared_memory_bytes
 from specdec.kernels.gemv_reference import gemv_reference
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -48,6 +48,23 @@ def test_gemv_equals_reference_under_every_plan(dtype, rows, epilogue):
         expected = gemv_reference(x, weight, **kwargs)
         scale = max(1.0, expected.abs().max().item())
         torch.testing.assert_close(out, expected, atol=atol * scale, rtol=rtol)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the automatic plan's tiles and shared-memory limit are a "
+                    "CUDA device's (the interpreter plan is tested above)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [36, MAX_ROWS])
+def test_the_automatic_plan_fits_the_device_at_many_rows(dtype, rows):
+    # a verification step of B (K + 1) rows: 4 x 9 = 36 rows take 64-row tiles
+    generator = torch.Generator().manual_seed(rows)
+    x, weight, bias = _case(rows, 1024, 512, dtype, generator)
+    plan = gemv_plan(rows, 512, 512, dtype, DEVICE)
+    assert plan.dot and shared_memory_bytes(plan.block_m, plan.block_n, plan.block_k, plan.num_stages, dtype) \
+        <= torch.cuda.get_device_properties(DEVICE).shared_memory_per_block_optin
+    atol, rtol = TOL[dtype]
+    expected = gemv_reference(x, weight, bias, "silu_mul")
+    torch.testing.assert_close(gemv_triton(x, weight, bias, "silu_mul"), expected,
+                               atol=atol * max(1.0, expected.abs().max().item()), rtol=rtol)
 
 
 def test_strided_rows_and_the_row_limit():
