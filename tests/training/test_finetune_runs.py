@@ -165,8 +165,9 @@ def test_a_resume_with_another_vocab_size_or_autocast_is_refused(tmp_path):
 @pytest.mark.parametrize("change", [{"pad_token_id": 7}, {"backend": "triton"}])
 def test_a_resume_may_change_what_changes_no_figure(tmp_path, change):
     """Padding is masked and both backends compute one function: a resumed run with either changed equals the
-    uninterrupted run."""
-    verifier, drafter = make_pair()
+    uninterrupted run (on the GPU where there is one: the Triton kernels run there, in the interpreter elsewhere)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    verifier, drafter = (model.to(device) for model in make_pair())
     whole = copy.deepcopy(drafter)
     uninterrupted = finetune_drafter(whole, verifier, make_tasks(), steps=3, backend="torch", **SMALL)
     finetune_drafter(drafter, verifier, make_tasks(), steps=2, backend="torch", checkpoint_dir=tmp_path, **SMALL)
