@@ -5,9 +5,11 @@ the static path, the single-token verifier and drafter steps, the verifier's (K 
 two-token first step and whole rounds (K = 0 and K), so the difference splits into: the wider verifier step, the
 wider first drafter step, and the rest of the round (sampling, acceptance, bookkeeping). It also runs one ``generate``
 call per batch and reports the rounds it took against the rounds its average row needed (a batch runs until its
-slowest row is done).
+slowest row is done), and that call's wall time per round (``wall_round_ms``: the captured round plus the host's
+work between rounds). ``--profile`` also prints the torch profiler's table of one replayed round's kernels.
 
     python benchmarks/tools/generate_round_breakdown.py --model llama-1b --batches 1,8,32 --k 4
+    python benchmarks/tools/generate_round_breakdown.py --batches 1 --runner native --profile
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -36,16 +39,21 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="time the torch.compile'd steps")
     parser.add_argument("--backend", choices=("auto", "torch"), default="auto",
                         help="auto: the round commit (and sampler) as Triton kernels; torch: their torch references")
+    parser.add_argument("--runner", choices=("auto", "native", "hf"), default="auto",
+                        help="what runs the models' steps (compile needs hf)")
+    parser.add_argument("--profile", action="store_true", help="print the kernels of one replayed round")
     args = parser.parse_args()
+    runner = "hf" if args.compile else args.runner
     verifier, drafter = build_pair(args.model, 1)
     scale = DeepScale(verifier, 1)
     vocab, k, cuda = verifier.config.vocab_size, args.k, torch.device("cuda")
     greedy = Sampling(greedy=True, top_k=0, top_p=1.0)
     print("model,batch,K,t_verify_1_ms,t_verify_K+1_ms,t_draft_1_ms,t_draft_2_ms,round_0_ms,round_K_ms,"
-          "model_round_ms,wider_verify_ms,wider_first_draft_ms,rest_ms,rounds,rounds_mean_row")
+          "model_round_ms,wider_verify_ms,wider_first_draft_ms,rest_ms,rounds,rounds_mean_row,wall_round_ms")
     with torch.no_grad():
         for batch in [int(b) for b in args.batches.split(",")]:
-            engine = get_engine(verifier, drafter, batch, 512, vocab, k, 1, cuda, args.backend, True, args.compile)
+            engine = get_engine(verifier, drafter, batch, 512, vocab, k, 1, cuda, args.backend, True, args.compile,
+                                runner=runner)
             times = {}
             for name, model, width in (("verify_1", engine.verifier, 1), ("verify_k", engine.verifier, k + 1),
                                        ("draft_1", engine.drafter, 1), ("draft_2", engine.drafter, 2)):
@@ -60,13 +68,31 @@ def main() -> None:
             rest = round_k - times["verify_k"] - times["draft_2"] - (k - 1) * times["draft_1"]
             prompts = torch.randint(100, vocab, (batch, 32), generator=torch.Generator().manual_seed(0)).cuda()
             calibrate(scale, verifier, drafter, prompts, args.alpha, 128)
-            stats = specdec.generate(verifier, drafter, prompts, max_new_tokens=128, num_draft_tokens=k,
-                                     pad_token_id=0, compile=args.compile, backend=args.backend).stats
+
+            def call(prompts=prompts):
+                return specdec.generate(verifier, drafter, prompts, max_new_tokens=128, num_draft_tokens=k,
+                                        pad_token_id=0, compile=args.compile, backend=args.backend, runner=runner)
+
+            call()  # captures this call's rounds
+            torch.cuda.synchronize()
+            begin = time.perf_counter()
+            stats = call().stats
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - begin
             rounds = len(stats.draft_lengths)
             mean_row = float(stats.verifier_calls.double().mean()) - 1  # (the prompt's call samples token 1)
             print(f"{args.model},{batch},{k},{times['verify_1']:.3f},{times['verify_k']:.3f},{times['draft_1']:.3f},{times['draft_2']:.3f},"
                   f"{round0:.3f},{round_k:.3f},{modelled:.3f},{times['verify_k'] - times['verify_1']:.3f},"
-                  f"{times['draft_2'] - times['draft_1']:.3f},{rest:.3f},{rounds},{mean_row:.1f}", flush=True)
+                  f"{times['draft_2'] - times['draft_1']:.3f},{rest:.3f},{rounds},{mean_row:.1f},"
+                  f"{wall / rounds * 1e3:.3f}", flush=True)
+            if args.profile:
+                replay = engine.step("round", k, greedy)
+                engine._park()
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    for _ in range(10):
+                        replay()
+                    torch.cuda.synchronize()
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
             clear_engines()
 
 
