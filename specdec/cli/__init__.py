@@ -514,6 +514,11 @@ def build_parser() -> argparse.ArgumentParser:
     finetune.add_argument("--per-character", action="store_true",
                           help="s-CDF on per-character figures: weights on D_i / rho_i (rho_i = characters per token "
                                "of task i), objective sum_i w_i K_i / rho_i (scdf and exact_variance; default: off)")
+    finetune.add_argument("--mixture-weight", type=_non_negative_float, default=0.0, metavar="BETA",
+                          help="in [0, 1]: keep this share of uniform distillation on the natural mixture in the "
+                               "scdf / exact_variance loss, beta * sum_i pi_i K_i + (1 - beta) * sum_i w_i K_i with "
+                               "pi_i the task's share of the training tokens and the w_i normalised to sum 1 "
+                               "(default: 0.0, the method alone)")
     finetune.add_argument("--weight-floor", type=_non_negative_float, default=0.0,
                           help="added to every s-CDF task weight, so the best task keeps some weight (default: 0.0)")
     finetune.add_argument("--steps", type=_non_negative_int, default=200, help="optimizer steps (default: 200)")

@@ -72,7 +72,8 @@ def command_finetune(args: argparse.Namespace) -> int:
                                 lr=args.lr, eval_every=args.eval_every, eval_fraction=args.eval_fraction,
                                 eval_examples=args.eval_examples, split_seed=args.split_seed,
                                 checkpoint_dir=checkpoint_dir, resume=not args.no_resume, seed=args.seed,
-                                per_character=args.per_character)
+                                per_character=args.per_character, mixture_weight=args.mixture_weight,
+                                normalize_weights=args.mixture_weight > 0)
     except (TypeError, ValueError) as error:
         raise UsageError(str(error)) from None
     tasks = load_task_source(args.tasks, args.max_examples, args.task_names)

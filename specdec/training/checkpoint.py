@@ -191,7 +191,7 @@ def drafter_identity(drafter: torch.nn.Module) -> dict[str, str]:
 
 _UNRECORDED = object()
 _SETTING_DEFAULTS: dict[str, Any] = {"per_character": False, "chars_per_token": None, "vocab_size": _UNRECORDED,
-                                     "autocast": _UNRECORDED}
+                                     "autocast": _UNRECORDED, "mixture_weight": 0.0}
 """What checkpoints written before a setting was recorded ran with (``_UNRECORDED``: unknown, not compared)."""
 
 

@@ -12,12 +12,14 @@ from typing import Any
 
 from specdec._validation import check_backend, check_int_at_least, check_int_range, check_number
 
-__all__ = ["METHODS", "PER_CHARACTER_METHODS", "SETTINGS", "WEIGHT_BASES", "FinetuneConfig", "check_method_tasks",
-           "resolve_config", "zero_weight_formula"]
+__all__ = ["METHODS", "MIXTURE_METHODS", "PER_CHARACTER_METHODS", "SETTINGS", "WEIGHT_BASES", "FinetuneConfig",
+           "check_method_tasks", "resolve_config", "zero_weight_formula"]
 
 METHODS = ("scdf", "exact_variance", "uniform_kd", "balanced")
 WEIGHT_BASES = ("ce", "kl", "tv")
 PER_CHARACTER_METHODS = ("scdf", "exact_variance")
+MIXTURE_METHODS = ("scdf", "exact_variance")
+"""The methods whose corrective term ``mixture_weight`` can mix with uniform distillation."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,17 @@ class FinetuneConfig:
             ``v_i / rho_i`` and minimise ``sum_i w_i K_i / rho_i``, with ``rho_i`` the characters per token of task i
             (see this module's docstring); needs ``method`` ``"scdf"`` or ``"exact_variance"``, and string texts with
             a tokenizer (or token-id lists with a tokenizer to decode them, or ``chars_per_token=``).
+            ``weight_floor`` is added to the per-character weights as to the per-token ones.
+        mixture_weight (float, default 0.0): ``beta`` in [0, 1], the share of uniform distillation (the natural data
+            mixture) in the loss of ``method`` ``"scdf"`` or ``"exact_variance"``:
+            ``L = beta * sum_i pi_i K_i + (1 - beta) * sum_i w_i K_i`` (per character ``w_i K_i / rho_i``), with
+            ``pi_i`` [m] task i's share of the training tokens (the share of tokens uniform KD's pooled draws give
+            it: ``sum_j (min(len_j, seq_len) - 1)`` over its training texts, over that sum for all tasks) and
+            ``w_i`` [m] the corrective weights normalised to ``sum_i |w_i| = 1``. Both terms are then weighted means
+            of the same per-task minibatch losses ``K_i`` (no extra model call): ``beta = 1`` is uniform KD's
+            expected loss, ``beta = 0`` the method alone. Above 0 it needs ``normalize_weights=True`` (so the two
+            terms have one scale) and is refused with ``"uniform_kd"`` and ``"balanced"``, which have no corrective
+            term.
     """
 
     method: str = "scdf"
@@ -92,6 +105,7 @@ class FinetuneConfig:
     backend: str = "auto"
     autocast: bool | None = None
     per_character: bool = False
+    mixture_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -112,6 +126,7 @@ class FinetuneConfig:
                    "weight_decay": check_number(self.weight_decay, "weight_decay", 0.0),
                    "temperature": check_number(self.temperature, "temperature", 0.0, strict=True),
                    "eval_fraction": check_number(self.eval_fraction, "eval_fraction", 0.0)}
+        numbers["mixture_weight"] = _check_mixture_weight(self.mixture_weight, self.method, self.normalize_weights)
         if numbers["eval_fraction"] >= 1:
             raise ValueError(f"eval_fraction must be in [0, 1) (the share of each task's texts held out), got "
                              f"{self.eval_fraction}")
@@ -129,6 +144,23 @@ class FinetuneConfig:
 
 
 SETTINGS = tuple(f.name for f in dataclasses.fields(FinetuneConfig))
+
+
+def _check_mixture_weight(value: object, method: str, normalize_weights: bool) -> float:
+    """``mixture_weight`` as a float in [0, 1] that ``method`` and ``normalize_weights`` allow, else TypeError /
+    ValueError naming it."""
+    beta = check_number(value, "mixture_weight", 0.0)
+    if beta > 1:
+        raise ValueError(f"mixture_weight must be in [0, 1] (the share of uniform distillation in the loss), got "
+                         f"{value}")
+    if beta > 0 and method not in MIXTURE_METHODS:
+        raise ValueError(f"mixture_weight={value} mixes uniform distillation into the corrective loss of method "
+                         f"'scdf' or 'exact_variance'; method {method!r} has no corrective term (use "
+                         f"mixture_weight=0)")
+    if beta > 0 and normalize_weights is not True:
+        raise ValueError(f"mixture_weight={value} needs normalize_weights=True: the corrective weights are then "
+                         "normalised to sum |w_i| = 1, the scale of the token shares they are mixed with")
+    return beta
 
 
 def _known_settings(settings: Mapping[str, Any], caller: str) -> dict[str, Any]:
@@ -161,9 +193,10 @@ def resolve_config(config: FinetuneConfig | None, settings: Mapping[str, Any]) -
 
 def zero_weight_formula(config: FinetuneConfig, num_tasks: int) -> str | None:
     """The per-task weight of ``config``'s method when it is 0 for every one of ``num_tasks`` tasks, so that the
-    method would train nothing and save the drafter unchanged, else None: with one task, the s-CDF weight
-    ``K_i - min_j K_j`` (without a ``weight_floor``) and the exact-variance weight ``K_i - mean_j K_j``."""
-    if num_tasks != 1:
+    method would train nothing and save the drafter unchanged, else None: with one task (and ``mixture_weight`` 0),
+    the s-CDF weight ``K_i - min_j K_j`` (without a ``weight_floor``) and the exact-variance weight
+    ``K_i - mean_j K_j``."""
+    if num_tasks != 1 or config.mixture_weight > 0:  # the uniform-distillation term trains one task too
         return None
     if config.method == "scdf" and config.weight_floor == 0:
         return "K_i - min_j K_j"
@@ -180,5 +213,5 @@ def check_method_tasks(config: FinetuneConfig, task_names: list[str]) -> None:
         return
     floor = ", or weight_floor > 0 (the floor becomes its weight)" if config.method == "scdf" else ""
     raise ValueError(f"method {config.method!r} needs at least 2 tasks: with the one task {task_names[0]!r} its "
-                     f"weight {formula} is 0 and the drafter would not change. Give more tasks, or use method "
-                     f"'uniform_kd' or 'balanced' (distillation on the one task){floor}")
+                     f"weight {formula} is 0 and the drafter would not change. Give more tasks, use method "
+                     f"'uniform_kd' or 'balanced' (distillation on the one task), or mixture_weight > 0{floor}")

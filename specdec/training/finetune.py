@@ -22,6 +22,16 @@ misfit per character ``D_i / rho_i`` on the KL basis), the corrective weights ``
 cross-entropy ``sum_i w_i K_i / rho_i``, i.e. ``omega_n = w_i / (rho_i N_i)``. With every ``rho_i = 1`` it is the
 per-token run exactly.
 
+Mixed with the natural mixture (``mixture_weight`` ``beta`` > 0, with ``"scdf"`` or ``"exact_variance"`` and
+``normalize_weights=True``): corrective weights take the place of the data mixture, so the task that dominates it
+can lose ground. The mixed run keeps a share ``beta`` of uniform distillation on the same windows:
+``omega_n = (beta * pi_i + (1 - beta) * w_i) / N_i`` (per character ``w_i / rho_i`` in place of ``w_i``), with
+``pi_i`` task i's share of the training tokens, ``sum_j (min(len_j, seq_len) - 1)`` over its training texts divided
+by that sum over all tasks: the share uniform KD's pooled draws give it in expectation. The loss is then
+``beta * sum_i pi_i K_i + (1 - beta) * sum_i w_i K_i`` with ``sum_i |w_i| = 1``; it costs no extra model call, and
+``beta = 1`` is uniform KD's expected loss estimated on per-task windows (lower variance for the small tasks than
+pooled draws), ``beta = 0`` the method alone.
+
 Under ``torch.distributed`` (e.g. ``torchrun``) the drafter is wrapped in DDP; every process draws the same global
 minibatch and keeps its slice (rows ``rank::world_size``), per-task sums and counts are all-reduced before the weights
 are computed, and each process backpropagates ``world_size * sum_{n local} omega_n H_n``, so the DDP gradient average
@@ -78,7 +88,11 @@ from specdec.training.config import (
     check_method_tasks,
     resolve_config,
 )
-from specdec.training.losses import per_character_weights_unchecked, token_weights_unchecked
+from specdec.training.losses import (
+    mix_multipliers_unchecked,
+    per_character_weights_unchecked,
+    token_weights_unchecked,
+)
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -302,6 +316,15 @@ def _draw_global_batch(method: str, corpus: list[list[list[int]]], batch_size_pe
     return rows
 
 
+def task_token_shares(corpus: Sequence[Sequence[Sequence[int]]], seq_len: int) -> list[float]:
+    """Every task's share of the training tokens under uniform KD's pooled draws: ``sum_j (min(len_j, seq_len) - 1)``
+    over task i's texts (the next-token positions of a window), divided by that sum over all tasks; [m] floats that
+    sum to 1. ``corpus``: per task, its training texts as token-id lists (each of at least 2 tokens)."""
+    positions = [sum(min(len(seq), seq_len) - 1 for seq in seqs) for seqs in corpus]
+    total = sum(positions)
+    return [count / total for count in positions]
+
+
 def _evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module, eval_tokens: dict[str, list[list[int]]],
               weight_basis: str, temperature: float, vocab_size: int, batch_size: int, backend: str,
               rho: Mapping[str, float] | None = None, per_character: bool = False) -> dict[str, Any]:
@@ -346,14 +369,16 @@ def _check_models(drafter: torch.nn.Module, verifier: torch.nn.Module) -> torch.
 
 
 def _step_weights(cfg: FinetuneConfig, task_ids: torch.Tensor, div: Any, num_tasks: int,
-                  distributed: bool, rho: torch.Tensor | None = None
+                  distributed: bool, rho: torch.Tensor | None = None, shares: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """Per-token weights, per-task weights, per-task basis values and the logged objective of one minibatch.
 
     Per-task sums and counts of CE, KL and TV are all-reduced under ``torch.distributed`` so every process computes
     the weights of the global minibatch. With ``cfg.per_character``, ``rho`` [m] holds the characters per token of
     every task: the basis values are ``v_i / rho_i``, the weights ``w_i`` the corrective (or exact-variance) formula
-    on them, the per-token weights ``w_i / (rho_i N_i)`` and the objective ``sum_i w_i K_i / rho_i``.
+    on them, the per-token weights ``w_i / (rho_i N_i)`` and the objective ``sum_i w_i K_i / rho_i``. With
+    ``cfg.mixture_weight`` ``beta`` > 0, ``shares`` [m] holds the token shares ``pi_i`` and the multiplier of ``K_i``
+    becomes ``beta * pi_i + (1 - beta) * w_i`` (``w_i / rho_i`` per character); the weights returned stay the ``w_i``.
     """
     import torch.distributed as dist
 
@@ -375,6 +400,8 @@ def _step_weights(cfg: FinetuneConfig, task_ids: torch.Tensor, div: Any, num_tas
         basis, rho if cfg.per_character else torch.ones_like(counts),
         cfg.method if cfg.method in PER_CHARACTER_METHODS else "uniform", floor=cfg.weight_floor,
         normalize=cfg.normalize_weights, present=counts > 0)
+    if cfg.mixture_weight > 0:
+        multipliers = mix_multipliers_unchecked(multipliers, shares, cfg.mixture_weight, counts > 0)
     token_weights = token_weights_unchecked(task_ids, multipliers, counts)
     return token_weights, weights, basis, float((multipliers.double() * values[0]).sum())
 
@@ -425,7 +452,8 @@ def finetune_drafter(
         progress: tqdm bar (rank 0 only).
         callback: called as ``callback(step, info)`` after every step (info has ``loss``, ``weights``,
             ``task_values`` (per character with ``per_character``), ``grad_norm``, the global gradient norm before
-            clipping, and ``chars_per_token``, the ``rho_i`` in task order, or None).
+            clipping, ``chars_per_token``, the ``rho_i`` in task order, or None, and ``task_shares``, the token
+            shares ``pi_i`` in task order with ``mixture_weight`` > 0, else None).
         chars_per_token: task -> characters per token ``rho_i`` (> 0) for the per-character weights and figures,
             covering every task of ``tasks`` and of ``eval_tasks`` (the per-character U is taken over every
             evaluated task). Default: measured on the texts as given, ``sum len(text) / sum (text tokens)`` per
@@ -485,6 +513,8 @@ def finetune_drafter(
                                        list(eval_tokens))
     rho_list = [rho_map[n] for n in names] if rho_map is not None else None  # [m] in task order
     rho = torch.tensor(rho_list, dtype=torch.float64, device=device) if cfg.per_character else None
+    share_list = task_token_shares(corpus, cfg.seq_len) if cfg.mixture_weight > 0 else None  # [m] pi_i
+    shares = torch.tensor(share_list, dtype=torch.float64, device=device) if share_list is not None else None
 
     distributed = dist.is_available() and dist.is_initialized()
     world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
@@ -503,7 +533,7 @@ def finetune_drafter(
                     "eval_fraction": cfg.eval_fraction, "split_seed": cfg.split_seed,
                     "tasks_digest": tasks_digest(corpus, eval_tokens), "per_character": cfg.per_character,
                     "chars_per_token": rho_list if cfg.per_character else None, "vocab_size": vocab_size,
-                    "autocast": autocast}
+                    "autocast": autocast, "mixture_weight": cfg.mixture_weight}
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     generator = torch.Generator().manual_seed(cfg.seed)
     ckpt_path = os.path.join(os.fspath(cfg.checkpoint_dir), CHECKPOINT_NAME) if cfg.checkpoint_dir is not None else None
@@ -569,7 +599,7 @@ def finetune_drafter(
                         div = divergence(v_logits, d_logits.detach(), temperature=cfg.temperature,
                                          backend=cfg.backend)
                         token_weights, weights, basis, objective = _step_weights(cfg, task_ids, div, num_tasks,
-                                                                                 distributed, rho)
+                                                                                 distributed, rho, shares)
                     loss = divergence_loss(d_logits, v_logits, weights=token_weights, temperature=cfg.temperature,
                                            reduction="sum", backend=cfg.backend)
                     (loss * world).backward()
@@ -583,7 +613,8 @@ def finetune_drafter(
                     if callback is not None:
                         callback(step, {"loss": objective, "weights": weights.tolist(), "task_values": basis.tolist(),
                                         "grad_norm": grad_norm,
-                                        "chars_per_token": None if rho_list is None else list(rho_list)})
+                                        "chars_per_token": None if rho_list is None else list(rho_list),
+                                        "task_shares": share_list})
                     is_last = step == cfg.steps
                     if is_last or (cfg.eval_every is not None and step % cfg.eval_every == 0):
                         evaluate_now(step, sum(since_eval) / len(since_eval))

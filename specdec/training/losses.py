@@ -24,6 +24,17 @@ Per character (:func:`per_character_weights`, used by ``chars_per_token`` of :fu
 characters as tokens, and the misfit a drafter can remove costs ``D_i / rho_i`` nats per character. The weights are
 then taken on ``v_i / rho_i`` (``w_i = v_i / rho_i - min_j v_j / rho_j + floor``, or minus the mean) and the objective
 is the per-character cross-entropy ``L = sum_i w_i K_i / rho_i``.
+
+Mixed with the natural data mixture (``mixture_weight`` ``beta`` of :func:`scdf_loss` and of
+:class:`specdec.training.config.FinetuneConfig`): corrective weights replace the mixture the drafter was trained on, so
+the dominant task of that mixture may lose ground. The mixed objective keeps a share of uniform distillation,
+
+    L = beta * sum_i pi_i K_i + (1 - beta) * sum_i w_i K_i,     sum_i pi_i = 1, sum_i |w_i| = 1,
+
+with ``pi_i`` task i's share of the training tokens (uniform distillation on the pooled texts minimises
+``sum_i pi_i K_i`` in expectation) and ``w_i`` the normalised corrective weights (per character ``w_i / rho_i`` in
+place of ``w_i``). Both terms are weighted means of the same per-task losses, so ``beta = 1`` is uniform
+distillation and ``beta = 0`` the corrective objective alone.
 """
 
 from __future__ import annotations
@@ -191,6 +202,47 @@ def _check_chars_per_token(chars_per_token: torch.Tensor, per_task_values: torch
                          f"{rho.tolist()}")
 
 
+def mix_multipliers_unchecked(multipliers: torch.Tensor, task_shares: torch.Tensor, mixture_weight: float,
+                              present: torch.Tensor | None = None) -> torch.Tensor:
+    """The [m] float32 multipliers of ``K_i`` in the mixed objective: ``beta * pi_i + (1 - beta) * multipliers_i``,
+    with ``pi`` the [m] ``task_shares`` renormalised to sum 1 over the ``present`` tasks (absent ones get 0).
+    ``mixture_weight`` (``beta``) 0 returns ``multipliers`` itself and 1 the shares alone, exactly. No checks (the
+    finetuning step loop checks once before it)."""
+    if mixture_weight == 0:
+        return multipliers
+    shares = task_shares.detach().to(multipliers.device, torch.float64)
+    if present is not None:
+        shares = torch.where(present.to(shares.device), shares, torch.zeros_like(shares))
+    shares = shares / shares.sum()
+    if mixture_weight == 1:
+        return shares.float()
+    return (mixture_weight * shares + (1 - mixture_weight) * multipliers.double()).float()
+
+
+def _check_mixture(mixture_weight: float, task_shares: object, like: torch.Tensor, normalize: bool,
+                   method: str) -> torch.Tensor | None:
+    """The [m] ``task_shares`` (finite, >= 0, positive sum) when ``mixture_weight`` is in (0, 1], None when it is 0;
+    TypeError / ValueError naming the argument otherwise."""
+    if isinstance(mixture_weight, bool) or not isinstance(mixture_weight, (int, float)):
+        raise TypeError(f"mixture_weight must be a float in [0, 1], got {type(mixture_weight).__name__}")
+    if not 0 <= mixture_weight <= 1:
+        raise ValueError(f"mixture_weight must be in [0, 1] (the share of the natural mixture), got {mixture_weight}")
+    if mixture_weight == 0:
+        return None
+    if task_shares is None:
+        raise ValueError("mixture_weight > 0 needs task_shares, the [m] share of the training tokens of every task")
+    if method == "uniform":
+        raise ValueError("mixture_weight > 0 mixes the natural mixture into a corrective objective: use method "
+                         "'scdf' or 'exact_variance'")
+    if not normalize:
+        raise ValueError("mixture_weight > 0 needs normalize=True (the corrective weights then sum to 1 in absolute "
+                         "value, as the task shares do)")
+    shares = _as_task_vector(task_shares, "task_shares", like=like).detach()
+    if not bool((shares >= 0).all()) or float(shares.sum()) <= 0:
+        raise ValueError(f"task_shares must be >= 0 with a positive sum, got {shares.tolist()}")
+    return shares
+
+
 class ScdfLoss(NamedTuple):
     """Result of :func:`scdf_loss`: ``loss`` (0-dim, differentiable) and the detached ``weights`` [m] float32."""
 
@@ -201,9 +253,11 @@ class ScdfLoss(NamedTuple):
 def scdf_loss(task_losses: torch.Tensor | Sequence[torch.Tensor],
               weight_values: torch.Tensor | Sequence[float] | None = None, *, method: str = "scdf",
               floor: float = 0.0, normalize: bool = False, present: torch.Tensor | None = None,
-              chars_per_token: torch.Tensor | Sequence[float] | None = None) -> ScdfLoss:
+              chars_per_token: torch.Tensor | Sequence[float] | None = None, mixture_weight: float = 0.0,
+              task_shares: torch.Tensor | Sequence[float] | None = None) -> ScdfLoss:
     """The s-CDF objective ``L = sum_i w_i K_i`` on per-task minibatch estimates (per character:
-    ``sum_i w_i K_i / rho_i``).
+    ``sum_i w_i K_i / rho_i``), optionally mixed with the natural mixture
+    ``beta * sum_i pi_i K_i + (1 - beta) * sum_i w_i K_i``.
 
     Args:
         task_losses: [m] float tensor of per-task mean cross-entropies ``K_i`` carrying gradients w.r.t. the drafter
@@ -214,12 +268,18 @@ def scdf_loss(task_losses: torch.Tensor | Sequence[torch.Tensor],
             nothing to the loss (their ``K_i`` may be NaN).
         chars_per_token: optional [m] characters per token ``rho_i`` (finite, > 0): the weights are computed on
             ``weight_values / rho`` and the loss is ``sum_i w_i K_i / rho_i`` (nats per character). Always detached.
+        mixture_weight: ``beta`` in [0, 1], the share of the natural-mixture term ``sum_i pi_i K_i`` (see this
+            module's docstring); above 0 it needs ``task_shares``, ``normalize=True`` and a corrective ``method``.
+        task_shares: [m] ``pi``, every task's share of the training tokens (>= 0; renormalised to sum 1 over the
+            present tasks). Always detached.
 
     Returns:
         :class:`ScdfLoss` with ``loss`` = ``sum_i w_i K_i`` (0-dim; ``sum_i w_i K_i / rho_i`` per character) and
         ``weights`` [m] (the ``w_i``). With ``method="exact_variance"`` and the CE basis, ``grad loss = (m/2) grad U``.
+        With ``mixture_weight`` ``beta``, ``loss`` is the mixed objective and ``weights`` still the ``w_i``.
     """
     task_losses = _as_task_vector(task_losses, "task_losses", present)
+    shares = _check_mixture(mixture_weight, task_shares, task_losses, normalize, method)
     basis = task_losses if weight_values is None else _as_task_vector(weight_values, "weight_values", present,
                                                                       like=task_losses)
     if chars_per_token is None:
@@ -228,6 +288,8 @@ def scdf_loss(task_losses: torch.Tensor | Sequence[torch.Tensor],
         rho = _as_task_vector(chars_per_token, "chars_per_token", like=task_losses)
     _, weights, multipliers = per_character_weights(basis, rho, method=method, floor=floor, normalize=normalize,
                                                     present=present)
+    if shares is not None:
+        multipliers = mix_multipliers_unchecked(multipliers, shares, float(mixture_weight), present)
     terms = multipliers.to(task_losses.device, task_losses.dtype) * task_losses
     if present is not None:  # 0 * NaN is NaN: leave the absent tasks out explicitly (no gradient reaches them)
         terms = torch.where(present.to(terms.device), terms, torch.zeros_like(terms))
