@@ -226,6 +226,8 @@ def test_every_pair_variant_and_language_is_evaluated_with_the_verifier_unchange
         assert r["U_kl_per_char"] is not None and r["dominant_alpha"] is not None
         assert (r["finetune_steps"] == 0) == (r["variant"] == "none")
         assert r["per_character"] == ("_char" in r["variant"])
+        assert r["mixture_weight"] == (None if r["variant"] == "none" else 0.5 if r["variant"].endswith("_mix50")
+                                       else 0.0)
         assert r["settings"] == cfg.to_dict() and set(r["train_chars_per_token"]) == set(LANGS)
         assert ("finetune_final" in r) == (r["variant"] != "none")
         rates = {t["task"]: t["char_speedup_predicted"] for t in tasks
@@ -346,6 +348,30 @@ def test_bad_settings_are_named():
         main(["prepare", "--work", "/nonexistent"])  # prepare needs --data
     with pytest.raises(FileNotFoundError, match="run the prepare stage first"):
         main(["train", "--work", "/nonexistent/work", "--no-progress"])
+
+
+def test_variant_names_set_the_finetuning_fields():
+    assert ml_config.parse_variant("none") is None
+    assert ml_config.parse_variant("scdf_kl") == {"method": "scdf", "weight_basis": "kl", "per_character": False}
+    assert ml_config.parse_variant("scdf_char_kl_mix50") == {
+        "method": "scdf", "weight_basis": "kl", "per_character": True, "mixture_weight": 0.5,
+        "normalize_weights": True}
+    assert ml_config.parse_variant("exact_variance_mix25") == {
+        "method": "exact_variance", "weight_basis": "ce", "per_character": False, "mixture_weight": 0.25,
+        "normalize_weights": True}
+    assert ml_config.parse_variant("scdf_mix0")["mixture_weight"] == 0.0
+    assert ml_config.parse_variant("scdf_tv_mix100")["mixture_weight"] == 1.0
+    cfg = ml_config.build_config("smoke")
+    config = ml_config.finetune_config(cfg, "scdf_char_kl_mix50")
+    assert (config.mixture_weight, config.normalize_weights, config.per_character) == (0.5, True, True)
+    full = ml_config.build_config("full").variants
+    assert full[-2:] == ["scdf_kl_mix50", "scdf_char_kl_mix50"] and "scdf_char_kl_mix50" in cfg.variants
+    for bad in ("scdf_mix101", "scdf_mix05", "scdf_mix", "scdf_mix50_kl", "scdf_mix-5", "scdf_mix0.5"):
+        with pytest.raises(ValueError, match=rf"unknown variant '{re.escape(bad)}'.*_mix<P>"):
+            ml_config.parse_variant(bad)
+    with pytest.raises(ValueError, match="variant 'uniform_kd_mix50': mixture_weight=0.5 mixes uniform distillation "
+                                         "into the corrective loss"):
+        ml_config.build_config("smoke", overrides={"variants": ["none", "uniform_kd_mix50"]})
 
 
 def test_bad_finetuning_settings_stop_a_run_before_any_stage(smoke_run, tmp_path):

@@ -28,9 +28,12 @@ def _alternatives(names: tuple[str, ...]) -> str:
 
 
 VARIANT_PATTERN = re.compile(rf"^(?P<method>{_alternatives(METHODS)})(?P<char>_char)?"
-                             rf"(?:_(?P<basis>{_alternatives(WEIGHT_BASES)}))?$")
-"""A finetuning variant's name: ``none``, or a method, ``_char`` for the per-character weights, and ``_<basis>``
-(default ``ce``): ``uniform_kd``, ``balanced``, ``exact_variance``, ``scdf_kl``, ``scdf_char_kl`` ..."""
+                             rf"(?:_(?P<basis>{_alternatives(WEIGHT_BASES)}))?(?:_mix(?P<mix>0|[1-9][0-9]?|100))?$")
+"""A finetuning variant's name: ``none``, or a method, ``_char`` for the per-character weights, ``_<basis>``
+(default ``ce``) and ``_mix<P>`` for ``mixture_weight = P / 100`` (P an integer percent in [0, 100], with
+``normalize_weights=True``: ``_mix50`` keeps half of uniform distillation on the natural mixture, ``_mix0`` is the
+method with normalised weights alone): ``uniform_kd``, ``balanced``, ``exact_variance``, ``scdf_kl``,
+``scdf_char_kl``, ``scdf_kl_mix50`` ..."""
 FINETUNE_SETTINGS = {"steps": "finetune_steps", "batch_size_per_task": "finetune_batch_size_per_task",
                      "seq_len": "finetune_seq_len", "lr": "finetune_lr", "eval_every": "finetune_eval_every",
                      "weight_floor": "weight_floor", "seed": "seed"}
@@ -147,7 +150,8 @@ class PipelineConfig:
     fingerprint_tokens: int = 16
     # finetuning: the same steps and data for every variant
     variants: list[str] = field(default_factory=lambda: [  # run in this order: the key comparisons first
-        "none", "uniform_kd", "scdf_kl", "scdf_char_kl", "scdf_ce", "scdf_tv", "balanced", "exact_variance"])
+        "none", "uniform_kd", "scdf_kl", "scdf_char_kl", "scdf_ce", "scdf_tv", "balanced", "exact_variance",
+        "scdf_kl_mix50", "scdf_char_kl_mix50"])
     finetune_steps: int = 300
     finetune_batch_size_per_task: int = 8
     finetune_seq_len: int = 128
@@ -258,9 +262,13 @@ def parse_variant(name: str, where: str = "variant") -> dict[str, Any] | None:
         return None
     match = VARIANT_PATTERN.match(name) if isinstance(name, str) else None
     if match is None:
-        raise ValueError(f"{where}: unknown variant {name!r}; use 'none' or <method>[_char][_<basis>] with method in "
-                         f"{METHODS} and basis in {WEIGHT_BASES} (e.g. scdf_kl, scdf_char_kl, exact_variance)")
-    return {"method": match["method"], "weight_basis": match["basis"] or "ce", "per_character": bool(match["char"])}
+        raise ValueError(f"{where}: unknown variant {name!r}; use 'none' or <method>[_char][_<basis>][_mix<P>] with "
+                         f"method in {METHODS}, basis in {WEIGHT_BASES} and P an integer percent in [0, 100] (e.g. "
+                         f"scdf_kl, scdf_char_kl, exact_variance, scdf_kl_mix50)")
+    fields = {"method": match["method"], "weight_basis": match["basis"] or "ce", "per_character": bool(match["char"])}
+    if match["mix"] is not None:  # FinetuneConfig refuses a mixture for a method without a corrective term
+        fields.update(mixture_weight=int(match["mix"]) / 100, normalize_weights=True)
+    return fields
 
 
 def finetune_config(cfg: PipelineConfig, variant: str, where: str = "variant") -> FinetuneConfig | None:
@@ -298,6 +306,8 @@ def smoke_preset() -> dict[str, Any]:
         "max_length": 64, "wall_clock_repeats": 1, "cost_repeats": 1, "fingerprint_prompts": 2,
         "fingerprint_tokens": 4, "finetune_steps": 2, "finetune_batch_size_per_task": 2, "finetune_seq_len": 24,
         "finetune_eval_every": 2, "finetune_eval_examples": 2, "domain_variants": ["none", "uniform_kd", "scdf_kl"],
+        "variants": ["none", "uniform_kd", "scdf_kl", "scdf_char_kl", "scdf_ce", "scdf_tv", "balanced",
+                     "exact_variance", "scdf_char_kl_mix50"],
     }
 
 

@@ -93,11 +93,13 @@ def _ratio_gap(value: float | None) -> float | None:
 
 
 def _order(variants: Sequence[str]) -> list[str]:
-    """Baselines first, then per-token s-CDF, then the per-character variants (each group in the given order)."""
+    """Baselines first, then per-token s-CDF, its variants mixed with the natural mixture (``_mix<P>``), then the
+    per-character variants, unmixed and mixed (each group in the given order)."""
     preferred = ["none", "uniform_kd", "balanced", "exact_variance"]
     rest = [v for v in variants if v not in preferred]
-    return ([v for v in preferred if v in variants] + [v for v in rest if "_char" not in v]
-            + [v for v in rest if "_char" in v])
+    groups = [[v for v in rest if ("_char" in v) == char and ("_mix" in v) == mix]
+              for char in (False, True) for mix in (False, True)]
+    return [v for v in preferred if v in variants] + [v for group in groups for v in group]
 
 
 def _pair_tables(runs: dict[str, dict[str, Any]], dominant: str | None) -> list[str]:

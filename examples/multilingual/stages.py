@@ -283,7 +283,8 @@ def stage_finetune(ctx: Context, pairs: list[str] | None = None, variants: list[
                 "drafter_self_layers": spec.self_layers, "finetune_steps": 0 if config is None else config.steps,
                 "method": "none" if config is None else config.method,
                 "weight_basis": None if config is None else config.weight_basis,
-                "per_character": config is not None and config.per_character}
+                "per_character": config is not None and config.per_character,
+                "mixture_weight": None if config is None else config.mixture_weight}
             run: dict[str, Any] = {"settings": cfg.to_dict(), "train_chars_per_token": data["rho"]}  # summary only
             start = time.perf_counter()
             if config is not None:
