@@ -369,6 +369,10 @@ def test_variant_names_set_the_finetuning_fields():
     for bad in ("scdf_mix101", "scdf_mix05", "scdf_mix", "scdf_mix50_kl", "scdf_mix-5", "scdf_mix0.5"):
         with pytest.raises(ValueError, match=rf"unknown variant '{re.escape(bad)}'.*_mix<P>"):
             ml_config.parse_variant(bad)
+    from multilingual.report import _order
+
+    assert _order(["scdf_char_kl_mix50", "scdf_kl_mix50", "scdf_char_kl", "scdf_kl", "uniform_kd", "none"]) == [
+        "none", "uniform_kd", "scdf_kl", "scdf_kl_mix50", "scdf_char_kl", "scdf_char_kl_mix50"]
     with pytest.raises(ValueError, match="variant 'uniform_kd_mix50': mixture_weight=0.5 mixes uniform distillation "
                                          "into the corrective loss"):
         ml_config.build_config("smoke", overrides={"variants": ["none", "uniform_kd_mix50"]})

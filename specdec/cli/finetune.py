@@ -83,7 +83,7 @@ def command_finetune(args: argparse.Namespace) -> int:
         raise UsageError(f"argument --method: {config.method} needs at least 2 tasks: with the one task "
                          f"{next(iter(tasks))!r} its weight {formula} is 0 and the drafter would not change. Give "
                          f"more tasks (--tasks, --task-names), or use --method uniform_kd or balanced (distillation "
-                         f"on the one task){floor}")
+                         f"on the one task), --mixture-weight above 0{floor}")
     texts = {name: list(task.texts or task.prompts) for name, task in tasks.items()}
     eval_texts = None
     if args.eval_tasks is not None:

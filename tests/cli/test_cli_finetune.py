@@ -62,11 +62,26 @@ def test_one_task_scdf_is_refused_before_anything_runs(capsys, pair, tmp_path):
     assert code == 2 and out == "" and not (tmp_path / "o").exists()
     assert err.startswith("specdec finetune: error: argument --method: scdf needs at least 2 tasks: with the one task "
                           "'en' its weight K_i - min_j K_j is 0")
-    assert "--method uniform_kd or balanced" in err and "--weight-floor" in err
+    assert "--method uniform_kd or balanced" in err and "--weight-floor" in err and "--mixture-weight" in err
     code, out, err = run_cli(capsys, "finetune", "--verifier", verifier, "--drafter", drafter, "--tasks", "mgsm",
                              "--task-names", "en", "--steps", "1", "--max-examples", "4", "--seq-len", "16",
                              "--method", "balanced", "--no-progress", "--output", str(tmp_path / "b"))
     assert code == 0 and "saved the finetuned drafter" in out, err
+
+
+def test_the_mixture_weight_is_checked_and_trains_one_task(capsys, pair, tmp_path):
+    verifier, drafter, _ = pair
+    one_task = ["finetune", "--verifier", verifier, "--drafter", drafter, "--tasks", "mgsm", "--task-names", "en",
+                "--max-examples", "4", "--seq-len", "16", "--steps", "1", "--no-progress"]
+    for extra, needle in ((["--mixture-weight", "1.5"], r"mixture_weight must be in [0, 1]"),
+                          (["--mixture-weight", "0.5", "--method", "uniform_kd"],
+                           "method 'uniform_kd' has no corrective term")):
+        code, out, err = run_cli(capsys, *one_task, *extra, "--output", str(tmp_path / "bad"))
+        assert code == 2 and out == "" and needle in err and not (tmp_path / "bad").exists(), err
+    code, out, err = run_cli(capsys, *one_task, "--mixture-weight", "0.5", "--output", str(tmp_path / "o"))
+    assert code == 0 and "saved the finetuned drafter" in out, err
+    assert not torch.equal(saved_weights(tmp_path / "o")["lm_head.weight"],
+                           saved_weights(Path(drafter))["lm_head.weight"])
 
 
 def test_resuming_with_another_drafter_is_refused(capsys, pair, tmp_path):
