@@ -9,6 +9,8 @@ Providers (``provider`` column; ``verification`` says how each verifies the draf
   specdec            ``rejection_sample_triton`` with its automatic launch plan, from logits
   specdec_block      the same with ``verification="block"`` (block verification: every position's statistics,
                      the race over the rows a stop can need)
+  specdec_every_row  token-wise verification under block verification's launch plan (every position's statistics:
+                     no stages, no live skip), so that against specdec_block only the verification differs
   torch_eager        ``rejection_sample_reference``
   torch_compile      ``torch.compile(rejection_sample_reference)``
   flashinfer         ``flashinfer.sampling.softmax`` on both logit tensors + ``chain_speculative_sampling``
@@ -29,6 +31,7 @@ replacing those of the same GPU, dtype, shape and provider.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -58,7 +61,8 @@ BATCHES = (1, 8, 32, 128)
 DRAFTS = (1, 4, 8)
 VOCABS = (151936, 128256, 32000)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-PROVIDERS = ("specdec", "specdec_block", "torch_eager", "torch_compile", "flashinfer", "flashinfer_kernel")
+PROVIDERS = ("specdec", "specdec_block", "specdec_every_row", "torch_eager", "torch_compile", "flashinfer",
+             "flashinfer_kernel")
 VERIFICATION = {"specdec_block": "block"}  # every other provider verifies token by token
 README_SHAPES = [("bf16", 151936, 1, 4), ("bf16", 151936, 32, 4), ("bf16", 151936, 128, 8), ("bf16", 32000, 32, 8),
                  ("fp32", 151936, 32, 8), ("fp32", 32000, 128, 8)]  # (dtype, V, B, K) of the README's table
@@ -150,6 +154,10 @@ class Shape:
                 out.append(lambda args=args: rejection_sample_triton(*args))
             elif provider == "specdec_block":
                 out.append(lambda args=args: rejection_sample_triton(*args, verification="block"))
+            elif provider == "specdec_every_row":
+                plan = dataclasses.replace(plan_launch(b, k, v, s["target"].dtype, s["target"].device,
+                                                       verification="block"), verification="token")
+                out.append(lambda args=args, plan=plan: rejection_sample_triton(*args, plan=plan))
             elif provider == "torch_eager":
                 out.append(lambda args=args: rejection_sample_reference(*args))
             elif provider == "torch_compile":
@@ -190,9 +198,10 @@ class Shape:
             out, matches = self.specdec_result(verification)
             match = str(matches)
             accepted = f"{float(out[1].double().mean()):.3f}"
-            nbytes, bound = bytes_read(out[1], self.batch, self.num_drafts, self.vocab, self.dtype, verification)
+            reads = "block" if provider == "specdec_every_row" else verification  # (every statistics row)
+            nbytes, bound = bytes_read(out[1], self.batch, self.num_drafts, self.vocab, self.dtype, reads)
             read = nbytes / med / 1e3
-            bound_note = BLOCK_BOUND_NOTE if verification == "block" else LOWER_BOUND_NOTE
+            bound_note = BLOCK_BOUND_NOTE if reads == "block" else LOWER_BOUND_NOTE
             note = (note + " " + bound_note).strip() if bound else note
         return dict(**env, provider_version=version, dtype=self.dtype_name, B=self.batch, K=self.num_drafts,
                     V=self.vocab, provider=provider, verification=verification, median_us=f"{med:.2f}",
@@ -203,7 +212,8 @@ class Shape:
 
 def provider_versions(flashinfer_version: str) -> dict[str, str]:
     torch_version = torch.__version__
-    return {"specdec": specdec_version(), "specdec_block": specdec_version(), "torch_eager": torch_version,
+    return {"specdec": specdec_version(), "specdec_block": specdec_version(),
+            "specdec_every_row": specdec_version(), "torch_eager": torch_version,
             "torch_compile": torch_version,
             "flashinfer": flashinfer_version, "flashinfer_kernel": flashinfer_version}
 

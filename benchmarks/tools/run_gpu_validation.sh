@@ -6,8 +6,10 @@
 #   bash benchmarks/tools/run_gpu_validation.sh bench             # rejection benchmark at the README's shapes
 #   bash benchmarks/tools/run_gpu_validation.sh bench-divergence  # divergence benchmark at the README's shapes
 #   bash benchmarks/tools/run_gpu_validation.sh tests-block       # block verification: kernel, reference, generate
-#   bash benchmarks/tools/run_gpu_validation.sh bench-block       # block vs token-wise: kernel at the README's shapes
-#   BATCH=1 bash benchmarks/tools/run_gpu_validation.sh bench-generate-block   # tokens/s block vs token (BATCH 1, 8)
+#   bash benchmarks/tools/run_gpu_validation.sh bench-block       # block vs token-wise (automatic plan, and under the
+#                                                                 # block plan: every row read) at the README's shapes
+#   BATCH=1 bash benchmarks/tools/run_gpu_validation.sh bench-generate-block   # tokens/s block vs token (BATCH 1, 8;
+#                                                    # NEW_TOKENS, REPEATS: longer runs measure alpha more precisely)
 # The benchmarks write their rows into benchmarks/results/{rejection,divergence}.csv. Optional, git-ignored inputs
 # for a machine without network: .whl/*.whl (liger-kernel, pytest-benchmark and their dependencies, from `pip download
 # --no-deps`) and .fi/ (FlashInfer's source tree, from setup_flashinfer_tree.sh); without them the FlashInfer and
@@ -55,13 +57,13 @@ case "$MODE" in
     pytest_run tests_block tests/kernels/test_rejection_block.py tests/kernels/test_rejection_block_triton.py \
       tests/decoding/test_generate_block.py ;;
   bench-block)
-    timeout "${SECONDS_LIMIT:-560}" python3 benchmarks/bench_rejection.py --readme --providers specdec,specdec_block \
+    timeout "${SECONDS_LIMIT:-560}" python3 benchmarks/bench_rejection.py --readme --providers specdec,specdec_block,specdec_every_row \
       > "$OUT/bench_rejection_block.txt" 2>&1
     echo "bench rc=$? in $(( $(date +%s) - t0 )) s"; tail -10 "$OUT/bench_rejection_block.txt" ;;
   bench-generate-block)
     timeout "${SECONDS_LIMIT:-560}" python3 benchmarks/bench_generate.py --batches "${BATCH:-1}" --alphas 0.5,0.75 \
       --ks 4,8 --temperature 1 --verification token,block --providers specdec_static --no-compiled \
-      > "$OUT/bench_generate_block_${BATCH:-1}.txt" 2>&1
+      --new-tokens "${NEW_TOKENS:-128}" --repeats "${REPEATS:-3}" > "$OUT/bench_generate_block_${BATCH:-1}.txt" 2>&1
     echo "bench rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "specdec_static" "$OUT/bench_generate_block_${BATCH:-1}.txt" ;;
   *) echo "unknown mode $MODE (tests-rejection, tests-kernels, tests-rest, bench, bench-divergence, tests-block,"\
        "bench-block, bench-generate-block)"; exit 2 ;;
