@@ -60,6 +60,18 @@ def test_refused_models_get_a_one_line_reason(build, expected):
     assert reason is not None and expected in reason and "\n" not in reason
 
 
+def test_quantised_weights_are_refused_and_a_dequantised_gguf_model_is_not():
+    from transformers.utils.quantization_config import BitsAndBytesConfig, GgufConfig
+
+    model = tiny_llama(seed=5)
+    model.config.quantization_config = BitsAndBytesConfig(load_in_8bit=True)
+    assert native_problem(model) == "quantised weights have no native decode runner"
+    model.config.quantization_config = {"quant_method": "awq", "bits": 4}
+    assert native_problem(model) == "quantised weights have no native decode runner"
+    model.config.quantization_config = GgufConfig()  # what from_pretrained(gguf_file=...) leaves: float weights
+    assert native_problem(model) is None
+
+
 def test_a_model_type_without_a_runner_is_refused():
     from transformers import GPT2Config, GPT2LMHeadModel
 

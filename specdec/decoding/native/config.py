@@ -14,7 +14,7 @@ import torch
 from specdec._models import sliding_window
 from specdec.decoding.native.weights import weight_table_problem
 
-__all__ = ["NATIVE_DTYPES", "NATIVE_MODEL_TYPES", "NativeConfig", "native_problem"]
+__all__ = ["NATIVE_DTYPES", "NATIVE_MODEL_TYPES", "NativeConfig", "native_problem", "quantization_method"]
 
 NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -68,11 +68,19 @@ def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return model.base_model.layers
 
 
+def quantization_method(quantization: object) -> str:
+    """The ``quant_method`` of a transformers quantization config (object or dict) as a lower-case string."""
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(
+        quantization, "quant_method", None)
+    return str(getattr(method, "value", method)).lower()
+
+
 def native_problem(model: torch.nn.Module) -> str | None:
     """Why the native runner cannot run ``model`` (one line), or None when it can.
 
-    Refused: a model type other than llama, mistral, qwen2 and qwen3; quantised weights; an activation other than
-    SiLU; sliding-window attention; a rope type whose frequencies depend on the sequence length (dynamic, longrope);
+    Refused: a model type other than llama, mistral, qwen2 and qwen3; quantised weights (a GGUF file is not:
+    transformers dequantises it on load into plain float tensors); an activation other than SiLU; sliding-window
+    attention; a rope type whose frequencies depend on the sequence length (dynamic, longrope);
     parameters of several dtypes or devices, or outside float32, float16 and bfloat16; an odd head dimension; and any
     parameter the weight table of :mod:`specdec.decoding.native.weights` does not place (an adapter, say).
     """
@@ -80,7 +88,8 @@ def native_problem(model: torch.nn.Module) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type not in NATIVE_MODEL_TYPES:
         return f"model type {model_type!r} has no native decode runner (it has one for {', '.join(NATIVE_MODEL_TYPES)})"
-    if getattr(config, "quantization_config", None) is not None:
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is not None and quantization_method(quantization) != "gguf":  # GGUF loads dequantised
         return "quantised weights have no native decode runner"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r} has no native decode runner (SiLU only)"
