@@ -454,6 +454,9 @@ def generate(
     if compile and path == "eager":
         warnings.warn("compile=True has no effect on the eager path (only the static path compiles its decoding "
                       f"step){': ' + reason if reason else ''}", SpecdecWarning, stacklevel=3)
+    if compile and path == "static" and used_runner == "native":
+        warnings.warn("compile=True has no effect on the native decode runner (its steps are fused kernels already); "
+                      "runner='hf' compiles the models' HF forward instead", SpecdecWarning, stacklevel=3)
     generated = result.generated
     max_generated = int(generated.max())
     sequences = torch.cat([input_ids.to(torch.int64), result.tokens[:, :max_generated]], dim=1)

@@ -208,6 +208,16 @@ def test_compile_on_the_eager_path_warns_and_is_reported(verifier, drafter):
     assert any(issubclass(w.category, SpecdecWarning) and "compile=True" in str(w.message) for w in caught)
 
 
+def test_compile_on_the_native_runner_warns_and_is_reported(verifier, drafter):
+    input_ids, attention_mask = _prompts([5], seed=38)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = specdec.generate(verifier, drafter, input_ids, attention_mask, max_new_tokens=3, static=True,
+                               runner="native", compile=True)
+    assert out.stats.runner == "native" and out.stats.compiled is False
+    assert any(issubclass(w.category, SpecdecWarning) and "runner='hf'" in str(w.message) for w in caught)
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 def test_train_mode_models_decode_as_in_eval_mode_and_keep_their_modes(static):
     # with dropout active the output would follow no fixed law; generate runs both models in eval mode
