@@ -44,7 +44,9 @@ FINETUNE_SETTINGS = {"steps": "finetune_steps", "batch_size_per_task": "finetune
 @dataclass
 class ModelSpec:
     """One model of the family: a Llama or Qwen2 causal LM built from a config and trained on a language mix, or
-    (``self_layers``) the verifier's first layers as a layer-skip self-drafter (an independent copy).
+    (``self_layers``) the verifier's first layers as a layer-skip self-drafter (an independent copy), or
+    (``max_ngram``) the model-free n-gram drafter ``specdec.ngram_drafter(max_ngram, min_ngram)``, which has no
+    weights: nothing to train or finetune (only the variant ``none`` applies to it).
 
     ``mix``: language -> sampling weight of the training windows; languages it does not name get ``mix_default``.
     The verifier's default mix is balanced (every weight 1).
@@ -63,11 +65,29 @@ class ModelSpec:
     batch_size: int = 32
     lr: float = 1e-3
     self_layers: int | None = None
+    max_ngram: int | None = None
+    min_ngram: int = 1
+
+    @property
+    def kind(self) -> str:
+        """``"ngram"`` (model-free), ``"self"`` (cut from the verifier) or ``"trained"`` (trained from scratch)."""
+        if self.max_ngram is not None:
+            return "ngram"
+        return "self" if self.self_layers is not None else "trained"
 
     def check(self, where: str) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", self.name or "") or "__" in self.name:
             raise ValueError(f"{where}.name must be letters, digits, '-' and '_' with no '__' (row files join names "
                              f"with it), got {self.name!r}")
+        if check_int_at_least(self.max_ngram, f"{where}.max_ngram", 1, allow_none=True) is not None:
+            check_int_at_least(self.min_ngram, f"{where}.min_ngram", 1)
+            if self.min_ngram > self.max_ngram:
+                raise ValueError(f"{where}.min_ngram must be at most max_ngram={self.max_ngram}, got "
+                                 f"{self.min_ngram}")
+            if self.self_layers is not None:
+                raise ValueError(f"{where}: an n-gram drafter (max_ngram) has no layers; self_layers must be null, "
+                                 f"got {self.self_layers}")
+            return
         if check_int_at_least(self.self_layers, f"{where}.self_layers", 1, allow_none=True) is not None:
             return
         if self.arch not in ARCHITECTURES:
@@ -117,6 +137,8 @@ class PipelineConfig:
     weight_decay: float = 0.1
     heldout_windows: int = 32
     train_max_seconds: float | None = None
+    # a seconds cap on each call of a stage (train, evaluate, finetune, domains): see ``stage_max_seconds`` in README
+    stage_max_seconds: float | None = None
     verifier: ModelSpec = field(default_factory=lambda: ModelSpec(
         name="verifier", arch="llama", hidden_size=384, num_layers=9, num_heads=6, num_kv_heads=2,
         intermediate_size=1024, steps=2500, batch_size=32, lr=1e-3))
@@ -128,6 +150,7 @@ class PipelineConfig:
                   intermediate_size=384, mix={"en": 10.0, "th": 0.1, "bn": 0.1, "sw": 0.1, "te": 0.1},
                   steps=1500, batch_size=32, lr=2e-3),
         ModelSpec(name="self2", self_layers=2),
+        ModelSpec(name="ngram", max_ngram=3),
     ])
     max_file_mb: float = 15.0
     # evaluation on MGSM (built-in, or a folder in MGSM's format)
@@ -181,8 +204,9 @@ class PipelineConfig:
             raise ValueError(f"dominant_language {self.dominant_language!r} is not one of languages "
                              f"{self.languages}")
         self.verifier.check("verifier")
-        if self.verifier.self_layers is not None:
-            raise ValueError("verifier.self_layers must be null (the verifier is trained, not cut from a model)")
+        if self.verifier.kind != "trained":
+            raise ValueError("verifier.self_layers and verifier.max_ngram must be null (the verifier is trained, not "
+                             "cut from a model nor model-free)")
         if not self.drafters:
             raise ValueError("drafters must name at least one drafter")
         names = [d.name for d in self.drafters]
@@ -190,7 +214,7 @@ class PipelineConfig:
             raise ValueError(f"drafters need distinct names other than 'verifier', got {names}")
         for index, spec in enumerate(self.drafters):
             spec.check(f"drafters[{index}]")
-            if spec.self_layers is not None and spec.self_layers >= self.verifier.num_layers:
+            if spec.kind == "self" and spec.self_layers >= self.verifier.num_layers:
                 raise ValueError(f"drafters[{index}].self_layers must be below the verifier's "
                                  f"{self.verifier.num_layers} layers, got {spec.self_layers}")
         if self.domain_pair is not None and self.domain_pair not in names:
@@ -217,8 +241,9 @@ class PipelineConfig:
             raise ValueError(f"max_prompt_tokens + max_new_tokens + num_draft_tokens + 1 must fit max_positions="
                              f"{self.max_positions}")
         check_temperature(self.temperature)
-        if self.train_max_seconds is not None:
-            check_number(self.train_max_seconds, "train_max_seconds", 0.0, strict=True)
+        for name in ("train_max_seconds", "stage_max_seconds"):
+            if getattr(self, name) is not None:
+                check_number(getattr(self, name), name, 0.0, strict=True)
         check_number(self.max_file_mb, "max_file_mb", 0.0, strict=True)
         check_number(self.weight_decay, "weight_decay", 0.0)
         for name in ("variants", "domain_variants"):
@@ -243,8 +268,9 @@ class PipelineConfig:
 
     @property
     def trained_models(self) -> list[ModelSpec]:
-        """The verifier and the drafters trained from scratch (self-drafters are cut from the verifier)."""
-        return [self.verifier] + [d for d in self.drafters if d.self_layers is None]
+        """The verifier and the drafters trained from scratch (self-drafters are cut from the verifier, n-gram
+        drafters have no weights)."""
+        return [self.verifier] + [d for d in self.drafters if d.kind == "trained"]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -301,6 +327,7 @@ def smoke_preset() -> dict[str, Any]:
              "num_kv_heads": 1, "intermediate_size": 32, "mix": {"en": 10.0, "ru": 0.1}, "steps": 6,
              "batch_size": 8, "lr": 3e-3},
             {"name": "self1", "self_layers": 1},
+            {"name": "ngram", "max_ngram": 3},
         ],
         "eval_texts": 3, "eval_prompts": 2, "max_prompt_tokens": 96, "max_new_tokens": 6, "eval_batch_size": 2,
         "max_length": 64, "wall_clock_repeats": 1, "cost_repeats": 1, "fingerprint_prompts": 2,
@@ -311,7 +338,40 @@ def smoke_preset() -> dict[str, Any]:
     }
 
 
-PRESETS = {"full": dict, "smoke": smoke_preset}
+LARGE_VARIANTS = ["none", "uniform_kd", "scdf_kl", "scdf_char_kl", "scdf_kl_mix50", "scdf_char_kl_mix50", "scdf_ce",
+                  "scdf_tv", "balanced", "exact_variance"]
+"""The ``large`` preset's variants in the order they run: the key comparisons, then the mixed ones, then the rest."""
+
+
+def large_preset() -> dict[str, Any]:
+    """A verifier deep enough that its drafters cost ``c <= 0.15`` of it (README.md, "The large preset").
+
+    Verifier: Llama, 24 layers x 1024 hidden, 16 heads (4 KV), MLP 2816, tied embeddings, about 283M parameters on
+    the 12k BPE; 600 steps of 64 windows of 256 tokens (9.8M tokens, about two passes over the 5M-token corpus),
+    capped at 240 s. Drafters: ``small-skewed`` (Llama, 2 x 512), ``tiny-en`` (Qwen2, 1 x 256), ``self2`` (the
+    verifier's first 2 layers) and ``ngram`` (model-free). Models are written as one file each (they stay on the
+    device that trains them)."""
+    return {
+        "preset": "large", "train_max_seconds": 240.0, "max_file_mb": 2000.0,
+        "verifier": {"name": "verifier", "arch": "llama", "hidden_size": 1024, "num_layers": 24, "num_heads": 16,
+                     "num_kv_heads": 4, "intermediate_size": 2816, "steps": 600, "batch_size": 64, "lr": 4e-4},
+        "drafters": [
+            {"name": "small-skewed", "arch": "llama", "hidden_size": 512, "num_layers": 2, "num_heads": 8,
+             "num_kv_heads": 2, "intermediate_size": 1408, "mix": {"ja": 0.2, "th": 0.05, "bn": 0.05, "sw": 0.02,
+                                                                    "te": 0.02},
+             "steps": 1500, "batch_size": 32, "lr": 1.5e-3},
+            {"name": "tiny-en", "arch": "qwen2", "hidden_size": 256, "num_layers": 1, "num_heads": 4,
+             "num_kv_heads": 2, "intermediate_size": 704, "mix": {"en": 10.0, "th": 0.1, "bn": 0.1, "sw": 0.1,
+                                                                   "te": 0.1},
+             "steps": 1500, "batch_size": 32, "lr": 2e-3},
+            {"name": "self2", "self_layers": 2},
+            {"name": "ngram", "max_ngram": 3},
+        ],
+        "variants": list(LARGE_VARIANTS),
+    }
+
+
+PRESETS = {"full": dict, "large": large_preset, "smoke": smoke_preset}
 """Preset name -> the fields it sets on top of the defaults (``full``: the defaults, for one GPU)."""
 
 

@@ -41,8 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--work", default=DEFAULT_WORK, help=f"models, corpus, tokenizer and settings (default "
                         f"{DEFAULT_WORK}, which git ignores: carry it to a device run)")
     parser.add_argument("--results", default=None, help="JSON rows, report and figures (default <work>/results)")
-    parser.add_argument("--preset", default="full", choices=["full", "smoke"],
-                        help="settings for prepare/all: full (one GPU) or smoke (tiny, CPU); default full")
+    parser.add_argument("--preset", default="full", choices=["full", "large", "smoke"],
+                        help="settings for prepare/all: full (one GPU), large (a 283M verifier whose drafters cost "
+                        "c <= 0.15 of it; one GPU) or smoke (tiny, CPU); default full")
     parser.add_argument("--config", default=None, help="a config.json to start from instead of --preset "
                         "(prepare/all); later stages read <work>/config.json")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

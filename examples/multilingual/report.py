@@ -107,7 +107,8 @@ def _pair_tables(runs: dict[str, dict[str, Any]], dominant: str | None) -> list[
     uniform = _get(runs.get("uniform_kd"), "summary")
     lines = ["Per token:", ""]
     headers = ["variant", "mean α", "worst α (task)", "α std", "α gen mean", "U on K_T", "U on D_T", "U on TV_T",
-               "S pred mean", "S pred max/min", "S measured mean", "S measured max/min", "Spearman(fitness, S pred)",
+               "S pred mean", "S pred max/min", "S measured mean", "S measured std", "S measured max/min",
+               "Spearman(fitness, S pred)",
                "Spearman(fitness, S measured)"]
     if dominant:
         headers += [f"{dominant} α", f"{dominant} α − uniform KD (points)"]
@@ -118,7 +119,7 @@ def _pair_tables(runs: dict[str, dict[str, Any]], dominant: str | None) -> list[
         worst = f"{format_number(s.get('alpha_min'))} ({s.get('worst_task', '–')})"
         row = [v, s.get("alpha_mean"), worst, s.get("alpha_std"), s.get("alpha_measured_mean"), s.get("U_ce"),
                s.get("U_kl"), s.get("U_tv"), s.get("speedup_predicted_mean"), s.get("speedup_predicted_max_over_min"),
-               s.get("speedup_measured_mean"), s.get("speedup_measured_max_over_min"),
+               s.get("speedup_measured_mean"), s.get("speedup_measured_std"), s.get("speedup_measured_max_over_min"),
                s.get("spearman_fitness_speedup_predicted"), s.get("spearman_fitness_speedup_measured")]
         if dominant:
             base = _get(uniform, "dominant_alpha")
@@ -260,6 +261,52 @@ def plot_pair(runs: dict[str, dict[str, Any]], title: str, path_stem: Path) -> l
     return paths
 
 
+def drafter_lines(runs: dict[tuple, dict[str, Any]], experiment: str, pairs: list[str]) -> list[str]:
+    """Every pair of ``experiment`` as trained (variant ``none``, one process) side by side: c, the spread of α and
+    of the measured speed-up across tasks (mean, std, max/min, the slowest task), then α_T and the measured speed-up
+    per task, one line per drafter (the n-gram drafter beside the models)."""
+    found = {pair: runs[experiment, pair, "none", 1] for pair in pairs if (experiment, pair, "none", 1) in runs}
+    if not found:
+        return []
+    lines = ["Drafters as trained (variant none), side by side:", ""]
+    table = []
+    for pair, run in found.items():
+        s = run["summary"]
+        measured = [r for r in run["tasks"] if r.get("speedup_measured") is not None]
+        slowest = min(measured, key=lambda r: r["speedup_measured"])["task"] if measured else "–"
+        table.append([pair, s.get("drafter_kind", "–"), s.get("cost_ratio"), s.get("alpha_mean"), s.get("alpha_std"),
+                      s.get("alpha_max_over_min"), s.get("speedup_predicted_mean"), s.get("speedup_measured_mean"),
+                      s.get("speedup_measured_std"), s.get("speedup_measured_max_over_min"),
+                      f"{format_number(s.get('speedup_measured_min'))} ({slowest})", s.get("speedup_measured_max")])
+    lines += markdown_table(["drafter", "kind", "c", "mean α", "α std", "α max/min", "S pred mean", "S measured mean",
+                             "S measured std", "S measured max/min", "S measured min (task)", "S measured max"],
+                            table)
+    tasks = list(dict.fromkeys(r["task"] for run in found.values() for r in run["tasks"]))
+    for key, title in (("alpha", "α_T per task"), ("speedup_measured", "S measured per task")):
+        lines += ["", f"{title}, by drafter:", ""]
+        table = []
+        for pair, run in found.items():
+            by_task = {r["task"]: r.get(key) for r in run["tasks"]}
+            table.append([pair] + [by_task.get(t) for t in tasks])
+        lines += markdown_table(["drafter"] + tasks, table)
+    return lines
+
+
+def _stopped_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The stage calls a seconds cap stopped, with what each left out."""
+    stopped = [r for r in rows if r.get("kind") == "stopped"]
+    if not stopped:
+        return []
+    lines = ["## Stopped by a seconds cap", "", "These stage calls reached `stage_max_seconds` and left work out "
+             "(rerun it with a larger cap or on its own):", ""]
+    lines += markdown_table(["stage", "time", "cap (s)", "elapsed (s)", "done", "left out"],
+                            [[r.get("stage"), r.get("time"), r.get("stage_max_seconds"), r.get("elapsed_seconds"),
+                              len(r.get("done", [])), ", ".join("/".join(map(str, u)) if isinstance(u, list) else
+                                                                str(u) for u in r.get("left_out", []))]
+                             for r in stopped])
+    return lines + [""]
+
+
 def _cost_lines(pair_runs: dict[str, dict[str, Any]]) -> str:
     """The cost ratio of a pair's runs: one line, or (runs measured apart) each value with its variants."""
     lines: dict[str, list[str]] = {}
@@ -315,10 +362,10 @@ def write_report(results: str | Path, plots: bool = True) -> Path:
         lines += ["## Models", "", "Held-out next-token loss (nats) per language after training (the model's fit to "
                   "each language):", ""]
         table = [[name, r["arch"], r["params"], r["num_layers"], r["hidden_size"], r.get("steps_run", r["steps"]),
-                  r.get("seconds")] + [r.get("heldout_loss", {}).get(lang) for lang in langs]
+                  r.get("cut_by") or "–", r.get("seconds")] + [r.get("heldout_loss", {}).get(lang) for lang in langs]
                  for name, r in trained.items()]
-        lines += markdown_table(["model", "arch", "parameters", "layers", "hidden", "steps run", "seconds"] + langs,
-                                table)
+        lines += markdown_table(["model", "arch", "parameters", "layers", "hidden", "steps run", "cut by", "seconds"]
+                                + langs, table)
         lines += ["", "Training mix (share of windows per language):", ""]
         lines += markdown_table(["model"] + langs, [[name] + [r["weights"].get(lang) for lang in langs]
                                                     for name, r in trained.items()])
@@ -350,6 +397,9 @@ def write_report(results: str | Path, plots: bool = True) -> Path:
                 figures += plot_pair(pair_runs, f"{experiment} / {pair}",
                                      results / "figures" / f"{experiment}__{pair}")
             lines.append("")
+        if len(pairs) > 1:
+            lines += drafter_lines(runs, experiment, pairs) + [""]
+    lines += _stopped_lines(rows)
     if goal_rows:
         lines += ["## Against uniform distillation (as measured)", ""]
         lines += markdown_table(["experiment", "pair", "goal", "variant", "figure", "met"], goal_rows)

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -116,6 +117,53 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
+class StageClock:
+    """The seconds cap of one call of a stage (``stage_max_seconds``; None: no cap), counted from the clock's
+    creation. :meth:`allows` says whether the next unit of work (a pair's variant) may start: the first always does,
+    a later one only while the time so far plus the longest unit so far stays within the cap. Under torchrun rank
+    0's answer is every rank's."""
+
+    def __init__(self, ctx: Context, cap: float | None):
+        self.ctx, self.cap = ctx, cap
+        self.start = time.perf_counter()
+        self.longest = 0.0
+        self.units = 0
+        self.stopped = False
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def remaining(self) -> float | None:
+        """Seconds left before the cap (None without one; at most 0 once it has passed)."""
+        return None if self.cap is None else self.cap - self.elapsed()
+
+    def allows(self) -> bool:
+        if self.stopped:
+            return False
+        allowed = self.cap is None or self.units == 0 or self.elapsed() + self.longest <= self.cap
+        if self.ctx.world > 1:  # one decision for every rank: they run the same units
+            import torch.distributed as dist
+
+            flag = [allowed]
+            dist.broadcast_object_list(flag, src=0)
+            allowed = bool(flag[0])
+        self.stopped = not allowed
+        return allowed
+
+    def done(self, seconds: float) -> None:
+        """One unit of work finished, taking ``seconds``."""
+        self.units += 1
+        self.longest = max(self.longest, seconds)
+
+    def stopped_row(self, stage: str, done: list[Any], left_out: list[Any]) -> dict[str, Any]:
+        """The row that says a stage call stopped at its cap: what ran and what was left out."""
+        print(f"{stage}: stage_max_seconds={self.cap} reached after {self.elapsed():.1f} s; left out {left_out}",
+              file=sys.stderr)
+        return {"kind": "stopped", "stage": stage, "time": _now(), "preset": self.ctx.cfg.preset,
+                "reason": "stage_max_seconds", "stage_max_seconds": self.cap, "elapsed_seconds": self.elapsed(),
+                "longest_unit_seconds": self.longest, "done": done, "left_out": left_out}
+
+
 # ------------------------------------------------------------------------------------------------------------ prepare
 def stage_prepare(ctx: Context, data: str | Path) -> dict[str, Any]:
     """Corpus and tokenizer (see :mod:`corpus`); the settings go to ``<work>/config.json``."""
@@ -157,18 +205,30 @@ def stage_train(ctx: Context, names: list[str] | None = None, export: str | Path
             raise ValueError(f"--models: {unknown} are not trained models; choose from {known} (self-drafters "
                              "are cut from the verifier, not trained)")
         specs = [s for s in specs if s.name in names]
+    clock = StageClock(ctx, cfg.stage_max_seconds)
     tokenizer = load_tokenizer(ctx.work)
     corpus = Corpus(ctx.work)
     train, heldout = _streams(ctx, tokenizer, corpus, "train"), _streams(ctx, tokenizer, corpus, "heldout")
     rows = []
-    for spec in specs:
+    rows_name = "train__" + "+".join(s.name for s in specs)
+    for index, spec in enumerate(specs):
+        remaining = clock.remaining()
+        if index and remaining is not None and remaining <= 0:  # the first model always starts
+            rows.append(clock.stopped_row("train", [s.name for s in specs[:index]], [s.name for s in specs[index:]]))
+            break
+        # a model trains until train_max_seconds or the stage's cap, whichever comes first
+        limits = {"train_max_seconds": cfg.train_max_seconds, "stage_max_seconds": remaining}
+        limit_name = min((k for k, v in limits.items() if v is not None), key=lambda k: limits[k], default=None)
+        max_seconds = None if limit_name is None else max(limits[limit_name], 0.0)
         weights = spec.weights(cfg.languages)
         model = build_model(spec, len(tokenizer), cfg.max_positions, derive_seed(cfg.seed, spec.name)).to(ctx.device)
         log = train_language_model(model, train, weights, steps=spec.steps, batch_size=spec.batch_size, lr=spec.lr,
                                    warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
                                    seed=derive_seed(cfg.seed, spec.name, "data"), heldout=heldout,
                                    heldout_windows=cfg.heldout_windows, progress=ctx.progress, name=spec.name,
-                                   max_seconds=cfg.train_max_seconds)
+                                   max_seconds=max_seconds)
+        log["max_seconds"] = max_seconds
+        log["cut_by"] = limit_name if log.get("steps_run", 0) < spec.steps else None
         files = save_model(model, ctx.models_dir(), spec.name, max_file_mb=cfg.max_file_mb)
         if export is not None:
             Path(export).mkdir(parents=True, exist_ok=True)
@@ -179,17 +239,21 @@ def stage_train(ctx: Context, names: list[str] | None = None, export: str | Path
                      "num_layers": spec.num_layers, "device": _device_name(ctx.device),
                      "files": {p.name: p.stat().st_size for p in files}, "settings": cfg.to_dict(), **log})
         del model
-    write_rows(ctx, "train__" + "+".join(s.name for s in specs), rows)
+        write_rows(ctx, rows_name, rows)  # after every model: a call cut short keeps the rows of those it finished
+    write_rows(ctx, rows_name, rows)
     return rows
 
 
 # --------------------------------------------------------------------------------------------- finetune and evaluate
-def _initial_drafter(ctx: Context, verifier: torch.nn.Module, pair: str) -> torch.nn.Module:
-    """The pair's drafter before finetuning, in float32 (the optimizer's master weights)."""
-    from specdec import layer_skip_drafter
+def _initial_drafter(ctx: Context, verifier: torch.nn.Module, pair: str) -> Any:
+    """The pair's drafter before finetuning, in float32 (the optimizer's master weights); for an n-gram pair the
+    model-free :func:`specdec.ngram_drafter`."""
+    from specdec import layer_skip_drafter, ngram_drafter
 
     spec = ctx.cfg.drafter(pair)
-    if spec.self_layers is not None:
+    if spec.kind == "ngram":
+        return ngram_drafter(spec.max_ngram, spec.min_ngram)
+    if spec.kind == "self":
         # a copy of the frozen verifier's first layers: trainable again
         return layer_skip_drafter(verifier, spec.self_layers, share_weights=False).float().requires_grad_(True)
     return load_model(ctx.models_dir(), pair, dtype=torch.float32, device=ctx.device)
@@ -234,12 +298,26 @@ def _task_data(ctx: Context, tokenizer: Any, corpus: Corpus, experiment: str) ->
     return {"train": train, "rho": rho, "ft_eval": ft_eval, "evaluation": evaluation}
 
 
+def _pair_variants(spec: Any, variants: list[str], announce: bool) -> list[str]:
+    """The variants that apply to a pair: all of them, or for an n-gram drafter (no weights) ``none`` alone, the
+    others skipped with a printed reason."""
+    if spec.kind != "ngram":
+        return list(variants)
+    skipped = [v for v in variants if v != "none"]
+    if skipped and announce:
+        print(f"{spec.name}: skipping variants {skipped}: an n-gram drafter has no weights to finetune (only 'none' "
+              "applies)", file=sys.stderr)
+    return [v for v in variants if v == "none"]
+
+
 def stage_finetune(ctx: Context, pairs: list[str] | None = None, variants: list[str] | None = None,
                    experiment: str = "languages", save_drafters: bool = False) -> list[dict[str, Any]]:
     """For every pair and variant: finetune a copy of the pair's drafter (the same steps and data for every
     variant; ``none`` is the drafter as trained), check that the verifier is unchanged (weights and greedy outputs),
-    evaluate, and write one row per task and a summary row. Runs under torchrun (DDP finetuning, evaluation on rank
-    0)."""
+    evaluate, and write one row per task and a summary row. An n-gram pair runs ``none`` alone (the other variants
+    are skipped with a printed reason). With ``stage_max_seconds`` a (pair, variant) starts only while it is expected
+    to end within the cap (:class:`StageClock`); the rows end with a ``stopped`` row naming what was left out. Runs
+    under torchrun (DDP finetuning, evaluation on rank 0)."""
     from tqdm.auto import tqdm
 
     from specdec import clear_static_caches, finetune_drafter
@@ -247,6 +325,7 @@ def stage_finetune(ctx: Context, pairs: list[str] | None = None, variants: list[
     from specdec.training.checkpoint import weights_digest
 
     cfg = ctx.cfg
+    clock = StageClock(ctx, cfg.stage_max_seconds)
     if experiment not in EXPERIMENTS:
         raise ValueError(f"experiment must be one of {EXPERIMENTS}, got {experiment!r}")
     pairs = pairs or ([cfg.domain_pair or cfg.drafters[0].name] if experiment == "domains"
@@ -255,6 +334,7 @@ def stage_finetune(ctx: Context, pairs: list[str] | None = None, variants: list[
         cfg.drafter(pair)  # ValueError naming the drafters for an unknown name
     variants = variants or (cfg.domain_variants if experiment == "domains" else cfg.variants)
     configs = {variant: finetune_config(cfg, variant, "variants") for variant in variants}
+    units = [(pair, v) for pair in pairs for v in _pair_variants(cfg.drafter(pair), variants, ctx.main)]
     tokenizer = load_tokenizer(ctx.work)
     corpus = Corpus(ctx.work)
     data = _task_data(ctx, tokenizer, corpus, experiment)
@@ -265,62 +345,75 @@ def stage_finetune(ctx: Context, pairs: list[str] | None = None, variants: list[
     rows: list[dict[str, Any]] = []
     tag = hashlib.sha256(",".join(variants).encode()).hexdigest()[:8]
     rows_name = f"{experiment}__{'+'.join(pairs)}__{tag}__w{ctx.world}"
-    for pair in tqdm(pairs, desc=f"{experiment}: pairs", disable=not (ctx.progress and ctx.main)):
-        spec = cfg.drafter(pair)
-        initial = _initial_drafter(ctx, verifier, pair)
-        share = spec.weights(cfg.languages) if spec.self_layers is None and experiment == "languages" else None
-        cost = None
-        if ctx.main:  # c once per pair: finetuning changes the drafter's weights, not its cost
-            cost = measure_decode_costs(verifier, copy.deepcopy(initial).to(ctx.eval_dtype),
-                                        batch_size=cfg.eval_batch_size, repeats=cfg.cost_repeats,
-                                        temperature=cfg.temperature, seed=cfg.seed)
-        for variant in tqdm(variants, desc=f"{pair}: variants", disable=not (ctx.progress and ctx.main)):
-            config = configs[variant]
-            drafter = copy.deepcopy(initial)
-            meta: dict[str, Any] = {
-                "experiment": experiment, "pair": pair, "variant": variant, "time": _now(), "preset": cfg.preset,
-                "seed": cfg.seed, "world_size": ctx.world, "device": _device_name(ctx.device),
-                "drafter_self_layers": spec.self_layers, "finetune_steps": 0 if config is None else config.steps,
-                "method": "none" if config is None else config.method,
-                "weight_basis": None if config is None else config.weight_basis,
-                "per_character": config is not None and config.per_character,
-                "mixture_weight": None if config is None else config.mixture_weight}
-            run: dict[str, Any] = {"settings": cfg.to_dict(), "train_chars_per_token": data["rho"]}  # summary only
-            start = time.perf_counter()
-            if config is not None:
-                result = finetune_drafter(drafter, verifier, data["train"], config=config,
-                                          eval_tasks=data["ft_eval"], chars_per_token=data["rho"],
-                                          pad_token_id=PAD_ID, progress=ctx.progress and ctx.main)
-                keys = ("U", "U_ce", "U_kl", "U_tv", "U_char_kl", "mean_alpha", "worst_alpha", "worst_task")
-                run["finetune_final"] = {k: result.final.get(k) for k in keys}
-                run["finetune_initial"] = {k: result.initial.get(k) for k in keys}
-            meta["finetune_seconds"] = None if config is None else time.perf_counter() - start
-            if save_drafters and ctx.main:
-                save_model(drafter, ctx.work / "finetuned", f"{experiment}__{pair}__{variant}__w{ctx.world}",
-                           max_file_mb=cfg.max_file_mb, dtype=torch.float32)
+    initial: Any = None
+    cost = None
+    for index, (pair, variant) in enumerate(tqdm(units, desc=f"{experiment}: pairs x variants",
+                                                 disable=not (ctx.progress and ctx.main))):
+        if not clock.allows():
             if ctx.main:
-                after = verifier_fingerprint(verifier, fingerprint_prompts, cfg.fingerprint_tokens)
-                if after["weights_sha256"] != before["weights_sha256"]:
-                    raise RuntimeError(f"the verifier's weights changed while finetuning {pair} with {variant}")
-                if after["greedy_sha256"] != before["greedy_sha256"]:  # same weights: kernel nondeterminism
-                    warnings.warn(f"the verifier's greedy outputs differ after finetuning {pair} with {variant} "
-                                  "although its weights are bitwise the same", RuntimeWarning, stacklevel=1)
-                meta.update(verifier_greedy_identical=after["greedy_sha256"] == before["greedy_sha256"],
-                            verifier_weights_sha256=after["weights_sha256"],
-                            verifier_greedy_sha256=after["greedy_sha256"])
-                wall_clock = cfg.wall_clock and (cfg.wall_clock_variants is None or variant in
-                                                 cfg.wall_clock_variants)
-                start = time.perf_counter()
-                report = evaluate_pair(verifier, drafter.to(ctx.eval_dtype).eval(), data["evaluation"], tokenizer,
-                                       cfg, cost, wall_clock, ctx.progress)
-                meta["eval_seconds"] = time.perf_counter() - start
-                meta["drafter_weights_sha256"] = weights_digest(drafter.state_dict())
-                dominant = cfg.dominant_language if experiment == "languages" else None
-                rows += report_rows(report, meta, run, share, dominant)
-                write_rows(ctx, rows_name, rows)  # after every variant: a run cut short keeps what it finished
-            del drafter
-            clear_static_caches()
-            barrier(ctx)
+                rows.append(clock.stopped_row(experiment, [list(u) for u in units[:index]],
+                                              [list(u) for u in units[index:]]))
+                write_rows(ctx, rows_name, rows)
+            break
+        unit_start = time.perf_counter()
+        spec = cfg.drafter(pair)
+        ngram = spec.kind == "ngram"
+        if index == 0 or units[index - 1][0] != pair:  # a pair's first variant: its drafter and c
+            initial = _initial_drafter(ctx, verifier, pair)
+            cost = None
+            if ctx.main:  # c once per pair: finetuning changes the drafter's weights, not its cost
+                timed = initial if ngram else copy.deepcopy(initial).to(ctx.eval_dtype)
+                cost = measure_decode_costs(verifier, timed, batch_size=cfg.eval_batch_size,
+                                            repeats=cfg.cost_repeats, temperature=cfg.temperature, seed=cfg.seed)
+        share = spec.weights(cfg.languages) if spec.kind == "trained" and experiment == "languages" else None
+        config = configs[variant]
+        drafter = initial if ngram else copy.deepcopy(initial)  # an n-gram drafter has no state to copy
+        meta: dict[str, Any] = {
+            "experiment": experiment, "pair": pair, "variant": variant, "time": _now(), "preset": cfg.preset,
+            "seed": cfg.seed, "world_size": ctx.world, "device": _device_name(ctx.device),
+            "drafter_kind": spec.kind, "drafter_self_layers": spec.self_layers, "drafter_max_ngram": spec.max_ngram,
+            "finetune_steps": 0 if config is None else config.steps,
+            "method": "none" if config is None else config.method,
+            "weight_basis": None if config is None else config.weight_basis,
+            "per_character": config is not None and config.per_character,
+            "mixture_weight": None if config is None else config.mixture_weight}
+        run: dict[str, Any] = {"settings": cfg.to_dict(), "train_chars_per_token": data["rho"]}  # summary only
+        start = time.perf_counter()
+        if config is not None:
+            result = finetune_drafter(drafter, verifier, data["train"], config=config,
+                                      eval_tasks=data["ft_eval"], chars_per_token=data["rho"],
+                                      pad_token_id=PAD_ID, progress=ctx.progress and ctx.main)
+            keys = ("U", "U_ce", "U_kl", "U_tv", "U_char_kl", "mean_alpha", "worst_alpha", "worst_task")
+            run["finetune_final"] = {k: result.final.get(k) for k in keys}
+            run["finetune_initial"] = {k: result.initial.get(k) for k in keys}
+        meta["finetune_seconds"] = None if config is None else time.perf_counter() - start
+        if save_drafters and ctx.main and not ngram:
+            save_model(drafter, ctx.work / "finetuned", f"{experiment}__{pair}__{variant}__w{ctx.world}",
+                       max_file_mb=cfg.max_file_mb, dtype=torch.float32)
+        if ctx.main:
+            after = verifier_fingerprint(verifier, fingerprint_prompts, cfg.fingerprint_tokens)
+            if after["weights_sha256"] != before["weights_sha256"]:
+                raise RuntimeError(f"the verifier's weights changed while finetuning {pair} with {variant}")
+            if after["greedy_sha256"] != before["greedy_sha256"]:  # same weights: kernel nondeterminism
+                warnings.warn(f"the verifier's greedy outputs differ after finetuning {pair} with {variant} "
+                              "although its weights are bitwise the same", RuntimeWarning, stacklevel=1)
+            meta.update(verifier_greedy_identical=after["greedy_sha256"] == before["greedy_sha256"],
+                        verifier_weights_sha256=after["weights_sha256"],
+                        verifier_greedy_sha256=after["greedy_sha256"])
+            wall_clock = cfg.wall_clock and (cfg.wall_clock_variants is None or variant in cfg.wall_clock_variants)
+            start = time.perf_counter()
+            evaluated = drafter if ngram else drafter.to(ctx.eval_dtype).eval()
+            report = evaluate_pair(verifier, evaluated, data["evaluation"], tokenizer, cfg, cost, wall_clock,
+                                   ctx.progress)
+            meta["eval_seconds"] = time.perf_counter() - start
+            meta["drafter_weights_sha256"] = None if ngram else weights_digest(drafter.state_dict())
+            dominant = cfg.dominant_language if experiment == "languages" else None
+            rows += report_rows(report, meta, run, share, dominant)
+            write_rows(ctx, rows_name, rows)  # after every variant: a run cut short keeps what it finished
+        del drafter
+        clear_static_caches()
+        barrier(ctx)
+        clock.done(time.perf_counter() - unit_start)
     return rows
 
 
