@@ -162,12 +162,14 @@ def test_a_tiny_seconds_cap_stops_a_stage_after_its_first_unit(real_run, tmp_pat
     (stopped,) = [r for r in rows if r["kind"] == "stopped"]
     assert stopped["stage"] == "train" and stopped["done"] == ["verifier"] and stopped["left_out"] == ["small-skewed"]
     assert main(["finetune", "--pairs", "self1", "--variants", "none,uniform_kd,scdf_kl", *common]) == 0
-    rows = [r for r in load_rows(results) if r.get("experiment") == "languages" or r.get("stage") == "languages"]
+    rows = [r for r in load_rows(results) if r.get("experiment") == "languages"]
     assert {r["variant"] for r in rows if r["kind"] == "summary"} == {"none"}
     (stopped,) = [r for r in rows if r["kind"] == "stopped"]
+    assert stopped["stage"] == "finetune"
     assert stopped["done"] == [["self1", "none"]]
     assert stopped["left_out"] == [["self1", "uniform_kd"], ["self1", "scdf_kl"]]
     assert stopped["elapsed_seconds"] > stopped["stage_max_seconds"]
     assert main(["report", "--results", str(results), "--no-plots"]) == 0
     report = (results / "report.md").read_text(encoding="utf-8")
     assert "## Stopped by a seconds cap" in report and "self1/uniform_kd, self1/scdf_kl" in report
+    assert "| finetune / languages |" in report and "| train |" in report

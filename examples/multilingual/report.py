@@ -298,12 +298,14 @@ def _stopped_lines(rows: list[dict[str, Any]]) -> list[str]:
     if not stopped:
         return []
     lines = ["## Stopped by a seconds cap", "", "These stage calls reached `stage_max_seconds` and left work out "
-             "(rerun it with a larger cap or on its own):", ""]
-    lines += markdown_table(["stage", "time", "cap (s)", "elapsed (s)", "done", "left out"],
-                            [[r.get("stage"), r.get("time"), r.get("stage_max_seconds"), r.get("elapsed_seconds"),
-                              len(r.get("done", [])), ", ".join("/".join(map(str, u)) if isinstance(u, list) else
-                                                                str(u) for u in r.get("left_out", []))]
-                             for r in stopped])
+             "(run it again with a larger cap, or alone):", ""]
+    table = []
+    for r in stopped:
+        stage = " / ".join(str(r[k]) for k in ("stage", "experiment") if r.get(k))
+        left_out = ", ".join("/".join(map(str, u)) if isinstance(u, list) else str(u) for u in r.get("left_out", []))
+        table.append([stage, r.get("time"), r.get("stage_max_seconds"), r.get("elapsed_seconds"),
+                      len(r.get("done", [])), left_out])
+    lines += markdown_table(["stage", "time", "cap (s)", "elapsed (s)", "done", "left out"], table)
     return lines + [""]
 
 

@@ -155,11 +155,12 @@ class StageClock:
         self.units += 1
         self.longest = max(self.longest, seconds)
 
-    def stopped_row(self, stage: str, done: list[Any], left_out: list[Any]) -> dict[str, Any]:
-        """The row that says a stage call stopped at its cap: what ran and what was left out."""
+    def stopped_row(self, stage: str, done: list[Any], left_out: list[Any], **extra: Any) -> dict[str, Any]:
+        """The row that says a stage call stopped at its cap: what ran and what was left out (``extra``: more
+        fields, e.g. the experiment)."""
         print(f"{stage}: stage_max_seconds={self.cap} reached after {self.elapsed():.1f} s; left out {left_out}",
               file=sys.stderr)
-        return {"kind": "stopped", "stage": stage, "time": _now(), "preset": self.ctx.cfg.preset,
+        return {"kind": "stopped", "stage": stage, **extra, "time": _now(), "preset": self.ctx.cfg.preset,
                 "reason": "stage_max_seconds", "stage_max_seconds": self.cap, "elapsed_seconds": self.elapsed(),
                 "longest_unit_seconds": self.longest, "done": done, "left_out": left_out}
 
@@ -351,8 +352,8 @@ def stage_finetune(ctx: Context, pairs: list[str] | None = None, variants: list[
                                                  disable=not (ctx.progress and ctx.main))):
         if not clock.allows():
             if ctx.main:
-                rows.append(clock.stopped_row(experiment, [list(u) for u in units[:index]],
-                                              [list(u) for u in units[index:]]))
+                rows.append(clock.stopped_row("finetune", [list(u) for u in units[:index]],
+                                              [list(u) for u in units[index:]], experiment=experiment))
                 write_rows(ctx, rows_name, rows)
             break
         unit_start = time.perf_counter()
