@@ -2,10 +2,10 @@
 
 The ``large`` preset is checked without training: its settings validate and its verifier's parameter count, built on
 the meta device and recomputed from the architecture's shapes, is in the intended range. The n-gram drafter runs
-through the smoke pipeline on the real data of the shared folder (``shared/data`` beside the repository or above it;
-skipped without it): prepare, evaluate beside a model drafter, finetune (its other variants skipped with a printed
-reason), report. A tiny ``stage_max_seconds`` stops the train and finetune stages after their first unit of work,
-and their rows say what was left out.
+through the smoke pipeline on small data in the shared folder's formats (the pipeline test's writer): prepare,
+evaluate beside a model drafter, finetune (its other variants skipped with a printed reason), report. A tiny
+``stage_max_seconds`` stops the train and finetune stages after their first unit of work, and their rows say what
+was left out.
 """
 
 from __future__ import annotations
@@ -30,16 +30,8 @@ from specdec.fairness.report import format_number  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-LANGS = ["en", "sw", "zh"]
-
-
-def _shared_data() -> Path | None:
-    """The shared data folder: the first ``shared/data`` holding mcot_msvamp/ beside the repository or above it."""
-    for folder in ROOT.parents:
-        candidate = folder / "shared" / "data"
-        if (candidate / "mcot_msvamp").is_dir() and (candidate / "ntrex128").is_dir():
-            return candidate
-    return None
+sys.path.insert(0, str(ROOT / "tests"))
+from test_multilingual_pipeline import LANGS, smoke_settings, write_small_data  # noqa: E402
 
 
 def _llama_parameters(spec: ml_config.ModelSpec, vocab: int) -> int:
@@ -100,20 +92,18 @@ def test_ngram_drafter_settings_are_checked():
 
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory, one_torch_thread):
-    """The smoke preset on three languages of the real data: prepared, and the verifier trained."""
-    data = _shared_data()
-    if data is None:
-        pytest.skip("no shared/data folder (mcot_msvamp/, ntrex128/) beside the repository or above it")
-    root = tmp_path_factory.mktemp("multilingual-real")
+    """The smoke preset on small data in the shared folder's formats: prepared, and the verifier trained."""
+    root = tmp_path_factory.mktemp("multilingual-ngram")
+    data = root / "data"
+    write_small_data(data)
     work, results = root / "work", root / "results"
     common = ["--work", str(work), "--results", str(results), "--no-progress", "--device", "cpu"]
-    assert main(["prepare", "--data", str(data), "--preset", "smoke", "--set", f"languages={LANGS}".replace("'", '"'),
-                 *common]) == 0
+    assert main(["prepare", "--data", str(data), *smoke_settings(data)[:6], *common]) == 0
     assert main(["train", "--models", "verifier", *common]) == 0
     return {"work": work, "results": results, "common": common}
 
 
-def test_the_ngram_drafter_runs_through_the_pipeline_on_the_real_data(real_run, capsys):
+def test_the_ngram_drafter_runs_through_the_pipeline(real_run, capsys):
     common = real_run["common"]
     assert main(["evaluate", "--pairs", "self1,ngram", *common]) == 0
     finetuned = real_run["results"].parent / "results-finetune"
