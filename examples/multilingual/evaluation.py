@@ -28,7 +28,7 @@ import torch
 
 from specdec.fairness.evaluation import TaskData, _spread, evaluate, spearman, unfairness
 
-from .corpus import BOS_ID, DEFAULT_TRIGGER, EOS_ID, PAD_ID, cot_prompt
+from .corpus import DEFAULT_TRIGGER, cot_prompt, special_ids
 
 
 def mgsm_tasks(cfg: Any, tokenizer: Any, triggers: dict[str, str]) -> dict[str, TaskData]:
@@ -36,7 +36,7 @@ def mgsm_tasks(cfg: Any, tokenizer: Any, triggers: dict[str, str]) -> dict[str, 
     format). Texts (teacher forcing): the first ``eval_texts`` of each language as given (question, newline, answer).
     Prompts (generation): the first ``eval_prompts`` questions, in the chain-of-thought template the models were
     trained on when ``prompt_template`` (``Question:`` / ``Answer:`` and the language's "let's think step by step"),
-    encoded with ``<bos>`` and cut to their last ``max_prompt_tokens`` tokens."""
+    encoded with the tokenizer's ``<bos>`` (if it adds one) and cut to their last ``max_prompt_tokens`` tokens."""
     from specdec.data import load_tasks
 
     languages = list(cfg.languages)
@@ -55,22 +55,27 @@ def mgsm_tasks(cfg: Any, tokenizer: Any, triggers: dict[str, str]) -> dict[str, 
 
 
 def encode_prompts(tokenizer: Any, prompts: list[str], most: int) -> list[list[int]]:
-    """``<bos>`` and the last ``most - 1`` tokens of every prompt."""
+    """The tokenizer's ``<bos>`` (when it adds one) and the last tokens of every prompt, ``most`` ids in all at
+    most."""
+    bos = special_ids(tokenizer).bos
+    prefix = [] if bos is None else [bos]
     out = []
     for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]:
         ids = list(ids)
-        out.append([BOS_ID] + ids[max(0, len(ids) - (most - 1)):])
+        out.append(prefix + ids[max(0, len(ids) - (most - len(prefix))):])
     return out
 
 
 def evaluate_pair(verifier: torch.nn.Module, drafter: torch.nn.Module, tasks: dict[str, TaskData], tokenizer: Any,
                   cfg: Any, cost: Any, wall_clock: bool, progress: bool) -> Any:
     """:func:`specdec.evaluate` with the pipeline's settings (the generation runs on ``specdec.generate``'s default
-    path: static with CUDA graphs on a GPU; the wall clock against ``cfg.wall_clock_baseline``)."""
+    path: static with CUDA graphs on a GPU; the wall clock against ``cfg.wall_clock_baseline``; pad and EOS ids the
+    tokenizer's)."""
+    ids = special_ids(tokenizer)
     return evaluate(verifier, drafter, tasks, tokenizer=tokenizer, num_draft_tokens=cfg.num_draft_tokens,
                     temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.eval_batch_size,
                     cost_ratio=cost, seed=cfg.seed, progress=progress, max_length=cfg.max_length,
-                    eos_token_id=EOS_ID, pad_token_id=PAD_ID, add_special_tokens=True, wall_clock=wall_clock,
+                    eos_token_id=ids.eos, pad_token_id=ids.pad, add_special_tokens=True, wall_clock=wall_clock,
                     wall_clock_repeats=cfg.wall_clock_repeats, wall_clock_baseline=cfg.wall_clock_baseline)
 
 
@@ -127,18 +132,20 @@ def report_rows(report: Any, meta: dict[str, Any], run: dict[str, Any], share: d
 
 
 @torch.no_grad()
-def verifier_fingerprint(verifier: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> dict[str, str]:
-    """SHA-256 of the verifier's weights and of its greedy continuations (Hugging Face ``generate``) of
-    ``prompts``: equal before and after finetuning when the verifier is unchanged."""
+def verifier_fingerprint(verifier: torch.nn.Module, prompts: list[list[int]], new_tokens: int, *, pad_token_id: int,
+                         eos_token_id: int) -> dict[str, str]:
+    """SHA-256 of the verifier's weights and of its greedy continuations (Hugging Face ``generate``, ``new_tokens``
+    of each of ``prompts``, left-padded with ``pad_token_id``): equal before and after finetuning when the verifier
+    is unchanged."""
     from specdec.fairness import pad_batch
     from specdec.training.checkpoint import weights_digest
 
     device = next(verifier.parameters()).device
     was_training = verifier.training
     verifier.eval()
-    ids, mask = pad_batch(prompts, PAD_ID, "left", device)
+    ids, mask = pad_batch(prompts, pad_token_id, "left", device)
     out = verifier.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                            pad_token_id=PAD_ID, eos_token_id=EOS_ID)
+                            pad_token_id=pad_token_id, eos_token_id=eos_token_id)
     verifier.train(was_training)
     greedy = hashlib.sha256(out.cpu().numpy().tobytes()).hexdigest()
     return {"weights_sha256": weights_digest(verifier.state_dict()), "greedy_sha256": greedy}

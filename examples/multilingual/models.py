@@ -17,14 +17,17 @@ import torch
 MODEL_FORMAT = "specdec-multilingual-model-1"
 
 
-def build_model(spec: Any, vocab_size: int, max_positions: int, seed: int) -> torch.nn.Module:
-    """A freshly initialised causal LM (tied input and output embeddings, sdpa attention) in float32."""
+def build_model(spec: Any, vocab_size: int, max_positions: int, seed: int, *, pad_token_id: int = 0,
+                bos_token_id: int | None = 1, eos_token_id: int = 2) -> torch.nn.Module:
+    """A freshly initialised causal LM (tied input and output embeddings, sdpa attention) in float32; its config
+    names the tokenizer's special ids (default the pipeline's own BPE's)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     common = dict(vocab_size=vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
                   num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
                   num_key_value_heads=spec.num_kv_heads, max_position_embeddings=max_positions,
-                  tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                  tie_word_embeddings=True, pad_token_id=pad_token_id, bos_token_id=bos_token_id,
+                  eos_token_id=eos_token_id,
                   attn_implementation="sdpa")
     if spec.arch == "llama":
         config = LlamaConfig(**common)

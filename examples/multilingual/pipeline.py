@@ -32,6 +32,8 @@ def _names(value: str | None) -> list[str] | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .config import PRESETS
+
     parser = argparse.ArgumentParser(prog="run.py", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
@@ -41,9 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--work", default=DEFAULT_WORK, help=f"models, corpus, tokenizer and settings (default "
                         f"{DEFAULT_WORK}, which git ignores: carry it to a device run)")
     parser.add_argument("--results", default=None, help="JSON rows, report and figures (default <work>/results)")
-    parser.add_argument("--preset", default="full", choices=["full", "large", "smoke"],
+    parser.add_argument("--preset", default="full", choices=sorted(PRESETS),
                         help="settings for prepare/all: full (one GPU), large (a 283M verifier whose drafters cost "
-                        "c <= 0.15 of it; one GPU) or smoke (tiny, CPU); default full")
+                        "c <= 0.15 of it; one GPU), smoke (tiny, CPU) or smollm2 (the pretrained SmolLM2-135M as "
+                        "verifier; README.md); default full")
     parser.add_argument("--config", default=None, help="a config.json to start from instead of --preset "
                         "(prepare/all); later stages read <work>/config.json")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

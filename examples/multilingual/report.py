@@ -344,9 +344,10 @@ def write_report(results: str | Path, plots: bool = True) -> Path:
     prepare = [r for r in rows if r.get("kind") == "prepare"]
     if prepare:
         p = prepare[-1]
-        lines += ["## Data", "", f"Tokenizer: byte-level BPE, {p['vocab_size']} tokens, trained on "
-                  f"{p['tokenizer_chars_per_language']} characters of every language. Training split (held-out "
-                  "split not shown):", ""]
+        origin = p.get("tokenizer") or (f"byte-level BPE trained on {p['tokenizer_chars_per_language']} characters "
+                                        "of every language")
+        lines += ["## Data", "", f"Tokenizer: {origin}, {p['vocab_size']} tokens. Training split (held-out split not "
+                  "shown):", ""]
         table = []
         for lang, domains in p["stats"].get("train", {}).items():
             for domain, st in domains.items():

@@ -25,9 +25,9 @@ from specdec.compat import special_token_ids
 
 from . import corpus as corpus_module
 from .config import PipelineConfig, finetune_config
-from .corpus import PAD_ID, Corpus, encode, load_tokenizer
+from .corpus import Corpus, encode, load_tokenizer, special_ids
 from .evaluation import encode_prompts, evaluate_pair, mgsm_tasks, report_rows, verifier_fingerprint
-from .models import TokenStreams, build_model, load_model, save_model, train_language_model
+from .models import TokenStreams, build_model, heldout_loss, load_model, save_model, train_language_model
 
 EXPERIMENTS = ("languages", "domains")
 
@@ -117,6 +117,34 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
+def load_verifier(ctx: Context) -> torch.nn.Module:
+    """The verifier in ``ctx.eval_dtype`` on ``ctx.device``, frozen: the pretrained model the settings name (its
+    layer count and vocabulary checked against the settings and the tokenizer), else the trained one."""
+    spec = ctx.cfg.verifier
+    if spec.pretrained is None:
+        verifier = load_model(ctx.models_dir(), spec.name, dtype=ctx.eval_dtype, device=ctx.device)
+        return verifier.requires_grad_(False)
+    from .pretrained import load_pretrained_model
+
+    verifier = load_pretrained_model(spec.pretrained, dtype=ctx.eval_dtype, device=ctx.device)
+    layers = verifier.config.num_hidden_layers
+    if layers != spec.num_layers:
+        raise ValueError(f"verifier.num_layers is {spec.num_layers} but the pretrained model {spec.pretrained} has "
+                         f"{layers} layers: set verifier.num_layers to {layers}")
+    vocab = len(load_tokenizer(ctx.work))
+    if verifier.get_output_embeddings().weight.shape[0] < vocab:
+        raise ValueError(f"the pretrained verifier's output layer has fewer rows than the tokenizer in "
+                         f"{ctx.work / 'tokenizer'} has tokens ({vocab}): prepare with this verifier again")
+    return verifier
+
+
+def _fingerprint(ctx: Context, verifier: torch.nn.Module, tokenizer: Any, prompts: list[list[int]]
+                 ) -> dict[str, str]:
+    ids = special_ids(tokenizer)
+    return verifier_fingerprint(verifier, prompts, ctx.cfg.fingerprint_tokens, pad_token_id=ids.pad,
+                                eos_token_id=ids.eos)
+
+
 class StageClock:
     """The seconds cap of one call of a stage (``stage_max_seconds``; None: no cap), counted from the clock's
     creation. :meth:`allows` says whether the next unit of work (a pair's variant) may start: the first always does,
@@ -178,7 +206,7 @@ def stage_prepare(ctx: Context, data: str | Path) -> dict[str, Any]:
     cfg.save(ctx.work)
     seconds = time.perf_counter() - start
     rows = [{"kind": "prepare", "time": _now(), "seconds": seconds, "preset": cfg.preset,
-             "vocab_size": manifest["vocab_size"], "tokenizer_chars_per_language":
+             "vocab_size": manifest["vocab_size"], "tokenizer": manifest["tokenizer"], "tokenizer_chars_per_language":
                  manifest["tokenizer_chars_per_language"], "stats": manifest["stats"],
              "dropped_as_evaluation_questions": manifest["dropped_as_evaluation_questions"],
              "settings": cfg.to_dict()}]
@@ -194,22 +222,25 @@ def _streams(ctx: Context, tokenizer: Any, corpus: Corpus, split: str) -> TokenS
 
 def stage_train(ctx: Context, names: list[str] | None = None, export: str | Path | None = None
                 ) -> list[dict[str, Any]]:
-    """Train the verifier and the drafters from scratch, each on its mix; write them to
-    ``<work>/models/`` as bf16 safetensors (and a copy of every file to ``export`` as soon as it is written, so a
-    device run that is cut short still returns the models it finished)."""
+    """Train the verifier and the drafters from scratch, each on its mix, and distil the self-drafters that ask for
+    it (``distill_steps``); write them to ``<work>/models/`` as bf16 safetensors (and a copy of every file to
+    ``export`` as soon as it is written, so a device run that is cut short still returns the models it finished). A
+    pretrained verifier is loaded, not trained: its row records its fingerprint and held-out loss."""
     cfg = ctx.cfg
-    specs = cfg.trained_models
+    specs = cfg.trained_models + [d for d in cfg.drafters if d.kind == "self" and d.distill_steps]
     if names:
         known = [s.name for s in specs]
         unknown = [n for n in names if n not in known]
         if unknown:
             raise ValueError(f"--models: {unknown} are not trained models; choose from {known} (self-drafters "
-                             "are cut from the verifier, not trained)")
+                             "are cut from the verifier, and trained only with distill_steps)")
         specs = [s for s in specs if s.name in names]
     clock = StageClock(ctx, cfg.stage_max_seconds)
     tokenizer = load_tokenizer(ctx.work)
     corpus = Corpus(ctx.work)
     train, heldout = _streams(ctx, tokenizer, corpus, "train"), _streams(ctx, tokenizer, corpus, "heldout")
+    ids = special_ids(tokenizer)
+    verifier = None
     rows = []
     rows_name = "train__" + "+".join(s.name for s in specs)
     for index, spec in enumerate(specs):
@@ -217,44 +248,138 @@ def stage_train(ctx: Context, names: list[str] | None = None, export: str | Path
         if index and remaining is not None and remaining <= 0:  # the first model always starts
             rows.append(clock.stopped_row("train", [s.name for s in specs[:index]], [s.name for s in specs[index:]]))
             break
-        # a model trains until train_max_seconds or the stage's cap, whichever comes first
+        # a model trains (or distils) until train_max_seconds or the stage's cap, whichever comes first
         limits = {"train_max_seconds": cfg.train_max_seconds, "stage_max_seconds": remaining}
         limit_name = min((k for k, v in limits.items() if v is not None), key=lambda k: limits[k], default=None)
         max_seconds = None if limit_name is None else max(limits[limit_name], 0.0)
-        weights = spec.weights(cfg.languages)
-        model = build_model(spec, len(tokenizer), cfg.max_positions, derive_seed(cfg.seed, spec.name)).to(ctx.device)
-        log = train_language_model(model, train, weights, steps=spec.steps, batch_size=spec.batch_size, lr=spec.lr,
-                                   warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
-                                   seed=derive_seed(cfg.seed, spec.name, "data"), heldout=heldout,
-                                   heldout_windows=cfg.heldout_windows, progress=ctx.progress, name=spec.name,
-                                   max_seconds=max_seconds)
-        log["max_seconds"] = max_seconds
-        log["cut_by"] = limit_name if log.get("steps_run", 0) < spec.steps else None
-        files = save_model(model, ctx.models_dir(), spec.name, max_file_mb=cfg.max_file_mb)
+        started = time.perf_counter()
+        row = {"kind": "train", "time": _now(), "preset": cfg.preset, "model": spec.name, "arch": spec.arch,
+               "hidden_size": spec.hidden_size, "num_layers": spec.num_layers, "device": _device_name(ctx.device)}
+        if spec.pretrained is not None:
+            verifier = load_verifier(ctx)
+            log = _pretrained_log(ctx, verifier, tokenizer, corpus, heldout)
+            log["seconds"] = time.perf_counter() - started  # loading, fingerprint and held-out loss
+            model, files = verifier, []
+        else:
+            if spec.kind == "self":
+                if verifier is None:
+                    verifier = load_verifier(ctx)
+                model, log = distill_self_drafter(ctx, verifier, spec, tokenizer, corpus, heldout, max_seconds)
+                row.update(arch=verifier.config.model_type, hidden_size=verifier.config.hidden_size,
+                           num_layers=spec.self_layers)
+            else:
+                weights = spec.weights(cfg.languages)
+                model = build_model(spec, len(tokenizer), cfg.max_positions, derive_seed(cfg.seed, spec.name),
+                                    pad_token_id=ids.pad, bos_token_id=ids.bos, eos_token_id=ids.eos).to(ctx.device)
+                log = train_language_model(model, train, weights, steps=spec.steps, batch_size=spec.batch_size,
+                                           lr=spec.lr, warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
+                                           seed=derive_seed(cfg.seed, spec.name, "data"), heldout=heldout,
+                                           heldout_windows=cfg.heldout_windows, progress=ctx.progress,
+                                           name=spec.name, max_seconds=max_seconds)
+            log["max_seconds"] = max_seconds
+            log["cut_by"] = limit_name if log.get("steps_run", 0) < log["steps"] else None
+            files = save_model(model, ctx.models_dir(), spec.name, max_file_mb=cfg.max_file_mb)
         if export is not None:
             Path(export).mkdir(parents=True, exist_ok=True)
             for path in files:
                 shutil.copy2(path, Path(export) / path.name)
-        rows.append({"kind": "train", "time": _now(), "preset": cfg.preset, "model": spec.name, "arch": spec.arch,
-                     "params": model.num_parameters(), "hidden_size": spec.hidden_size,
-                     "num_layers": spec.num_layers, "device": _device_name(ctx.device),
-                     "files": {p.name: p.stat().st_size for p in files}, "settings": cfg.to_dict(), **log})
-        del model
+        rows.append({**row, "params": model.num_parameters(), "files": {p.name: p.stat().st_size for p in files},
+                     "settings": cfg.to_dict(), **log})
+        if model is not verifier:
+            del model
         write_rows(ctx, rows_name, rows)  # after every model: a call cut short keeps the rows of those it finished
     write_rows(ctx, rows_name, rows)
     return rows
 
 
+def _pretrained_log(ctx: Context, verifier: torch.nn.Module, tokenizer: Any, corpus: Corpus,
+                    heldout: TokenStreams) -> dict[str, Any]:
+    """The train row of a pretrained verifier: where it came from, no steps, its fingerprint (on the prompts the
+    finetuning stage fingerprints it on) and its held-out loss per language."""
+    cfg = ctx.cfg
+    prompts = [p for task in mgsm_tasks(cfg, tokenizer, corpus.triggers).values() for p in task.prompts]
+    fingerprint = _fingerprint(ctx, verifier, tokenizer, prompts[: cfg.fingerprint_prompts])
+    return {"pretrained": cfg.verifier.pretrained, "steps": 0, "steps_run": 0, "weights": {},
+            "verifier_weights_sha256": fingerprint["weights_sha256"],
+            "verifier_greedy_sha256": fingerprint["greedy_sha256"],
+            "heldout_loss": heldout_loss(verifier, heldout, cfg.heldout_windows, cfg.eval_batch_size,
+                                         autocast=False)}
+
+
+class _OutOfTimeError(Exception):
+    """Raised by the distillation's step callback once its ``max_seconds`` have passed."""
+
+
+def distill_self_drafter(ctx: Context, verifier: torch.nn.Module, spec: Any, tokenizer: Any, corpus: Corpus,
+                         heldout: TokenStreams, max_seconds: float | None = None
+                         ) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The verifier's first ``spec.self_layers`` layers (an independent float32 copy) distilled toward it:
+    ``spec.distill_steps`` steps of :func:`specdec.finetune_drafter` with ``method="uniform_kd"`` (the natural
+    mixture of the training split, ``spec.batch_size`` windows of ``finetune_seq_len`` tokens per language and step,
+    learning rate ``spec.lr``), stopped after the step that passes ``max_seconds``. The verifier's fingerprint
+    is taken before and after (a change raises RuntimeError). Returns the drafter and its log."""
+    from specdec import FinetuneConfig, finetune_drafter, layer_skip_drafter
+
+    cfg = ctx.cfg
+    drafter = layer_skip_drafter(verifier, spec.self_layers, share_weights=False).float().requires_grad_(True)
+    tasks = {lang: encode(tokenizer, corpus.texts("train", lang)) for lang in cfg.languages}
+    held = {lang: [ids[: cfg.finetune_seq_len] for ids in encode(tokenizer, corpus.texts("heldout", lang)
+                                                                 [: cfg.finetune_eval_examples])]
+            for lang in cfg.languages}
+    config = FinetuneConfig(method="uniform_kd", steps=spec.distill_steps, batch_size_per_task=spec.batch_size,
+                            seq_len=cfg.finetune_seq_len, lr=spec.lr, eval_every=None, seed=derive_seed(cfg.seed,
+                            spec.name, "distill"), temperature=cfg.temperature if cfg.temperature > 0 else 1.0)
+    prompts = [p for task in mgsm_tasks(cfg, tokenizer, corpus.triggers).values() for p in task.prompts]
+    before = _fingerprint(ctx, verifier, tokenizer, prompts[: cfg.fingerprint_prompts])
+    losses: list[list[float]] = []
+    start = time.perf_counter()
+
+    def on_step(step: int, info: dict[str, Any]) -> None:
+        losses.append([step, info["loss"]])
+        if max_seconds is not None and time.perf_counter() - start > max_seconds:
+            raise _OutOfTimeError
+
+    log: dict[str, Any] = {"distill_steps": spec.distill_steps, "method": "uniform_kd",
+                           "steps": spec.distill_steps, "batch_size": spec.batch_size, "seq_len": cfg.finetune_seq_len,
+                           "weights": _token_shares(tasks)}
+    try:
+        result = finetune_drafter(drafter, verifier, tasks, config=config, eval_tasks=held,
+                                  pad_token_id=special_ids(tokenizer).pad, progress=ctx.progress, callback=on_step)
+        keys = ("U", "U_kl", "mean_alpha", "worst_alpha", "worst_task")
+        log.update(distill_initial={k: result.initial.get(k) for k in keys},
+                   distill_final={k: result.final.get(k) for k in keys})
+    except _OutOfTimeError:
+        pass
+    drafter.eval()
+    log.update(steps_run=len(losses), seconds=time.perf_counter() - start,
+               losses=losses[:: max(1, len(losses) // 50)] + losses[-1:])
+    after = _fingerprint(ctx, verifier, tokenizer, prompts[: cfg.fingerprint_prompts])
+    if after["weights_sha256"] != before["weights_sha256"]:
+        raise RuntimeError(f"the verifier's weights changed while distilling {spec.name}")
+    log.update(verifier_weights_sha256=after["weights_sha256"], verifier_greedy_sha256=after["greedy_sha256"],
+               verifier_greedy_identical=after["greedy_sha256"] == before["greedy_sha256"],
+               heldout_loss=heldout_loss(drafter, heldout, cfg.heldout_windows, cfg.eval_batch_size,
+                                         autocast=ctx.device.type == "cuda"))
+    return drafter, log
+
+
+def _token_shares(tasks: dict[str, list[list[int]]]) -> dict[str, float]:
+    """Each task's share of the training tokens: the natural mixture uniform distillation draws from."""
+    counts = {name: sum(len(ids) for ids in docs) for name, docs in tasks.items()}
+    total = sum(counts.values())
+    return {name: count / total for name, count in counts.items()}
+
+
 # --------------------------------------------------------------------------------------------- finetune and evaluate
 def _initial_drafter(ctx: Context, verifier: torch.nn.Module, pair: str) -> Any:
-    """The pair's drafter before finetuning, in float32 (the optimizer's master weights); for an n-gram pair the
-    model-free :func:`specdec.ngram_drafter`."""
+    """The pair's drafter before finetuning, in float32 (the optimizer's master weights): a distilled self-drafter
+    as the train stage wrote it; for an n-gram pair the model-free :func:`specdec.ngram_drafter`."""
     from specdec import layer_skip_drafter, ngram_drafter
 
     spec = ctx.cfg.drafter(pair)
     if spec.kind == "ngram":
         return ngram_drafter(spec.max_ngram, spec.min_ngram)
-    if spec.kind == "self":
+    if spec.kind == "self" and not spec.distill_steps:
         # a copy of the frozen verifier's first layers: trainable again
         return layer_skip_drafter(verifier, spec.self_layers, share_weights=False).float().requires_grad_(True)
     return load_model(ctx.models_dir(), pair, dtype=torch.float32, device=ctx.device)
@@ -339,10 +464,10 @@ def stage_finetune(ctx: Context, pairs: list[str] | None = None, variants: list[
     tokenizer = load_tokenizer(ctx.work)
     corpus = Corpus(ctx.work)
     data = _task_data(ctx, tokenizer, corpus, experiment)
-    verifier = load_model(ctx.models_dir(), "verifier", dtype=ctx.eval_dtype, device=ctx.device)
-    verifier.requires_grad_(False)
+    verifier = load_verifier(ctx)
+    pad_token_id = special_ids(tokenizer).pad
     fingerprint_prompts = [p for task in data["evaluation"].values() for p in task.prompts][: cfg.fingerprint_prompts]
-    before = verifier_fingerprint(verifier, fingerprint_prompts, cfg.fingerprint_tokens) if ctx.main else None
+    before = _fingerprint(ctx, verifier, tokenizer, fingerprint_prompts) if ctx.main else None
     rows: list[dict[str, Any]] = []
     tag = hashlib.sha256(",".join(variants).encode()).hexdigest()[:8]
     rows_name = f"{experiment}__{'+'.join(pairs)}__{tag}__w{ctx.world}"
@@ -383,7 +508,7 @@ def stage_finetune(ctx: Context, pairs: list[str] | None = None, variants: list[
         if config is not None:
             result = finetune_drafter(drafter, verifier, data["train"], config=config,
                                       eval_tasks=data["ft_eval"], chars_per_token=data["rho"],
-                                      pad_token_id=PAD_ID, progress=ctx.progress and ctx.main)
+                                      pad_token_id=pad_token_id, progress=ctx.progress and ctx.main)
             keys = ("U", "U_ce", "U_kl", "U_tv", "U_char_kl", "mean_alpha", "worst_alpha", "worst_task")
             run["finetune_final"] = {k: result.final.get(k) for k in keys}
             run["finetune_initial"] = {k: result.initial.get(k) for k in keys}
@@ -392,7 +517,7 @@ def stage_finetune(ctx: Context, pairs: list[str] | None = None, variants: list[
             save_model(drafter, ctx.work / "finetuned", f"{experiment}__{pair}__{variant}__w{ctx.world}",
                        max_file_mb=cfg.max_file_mb, dtype=torch.float32)
         if ctx.main:
-            after = verifier_fingerprint(verifier, fingerprint_prompts, cfg.fingerprint_tokens)
+            after = _fingerprint(ctx, verifier, tokenizer, fingerprint_prompts)
             if after["weights_sha256"] != before["weights_sha256"]:
                 raise RuntimeError(f"the verifier's weights changed while finetuning {pair} with {variant}")
             if after["greedy_sha256"] != before["greedy_sha256"]:  # same weights: kernel nondeterminism
