@@ -28,7 +28,8 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        "test": ["pytest>=7", "ruff>=0.5", "setuptools>=64", "wheel"],  # setuptools, wheel: the install test
+        "test": ["pytest>=7", "ruff>=0.5", "setuptools>=64", "wheel", "gguf>=0.10"],  # setuptools, wheel: the install
+        # test; gguf: the multilingual pipeline's GGUF verifier test
         "bench": ["pytest-benchmark>=4"],
     },
     entry_points={"console_scripts": ["specdec=specdec.cli:main"]},

