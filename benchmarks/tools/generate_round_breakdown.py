@@ -5,11 +5,14 @@ the static path, the single-token verifier and drafter steps, the verifier's (K 
 two-token first step and whole rounds (K = 0 and K), so the difference splits into: the wider verifier step, the
 wider first drafter step, and the rest of the round (sampling, acceptance, bookkeeping). It also runs one ``generate``
 call per batch and reports the rounds it took against the rounds its average row needed (a batch runs until its
-slowest row is done), and that call's wall time per round (``wall_round_ms``: the captured round plus the host's
-work between rounds). ``--profile`` also prints the torch profiler's table of one replayed round's kernels.
+slowest row is done), and that call's wall time per round after its prompt pass (``wall_round_ms``: the captured
+round plus the host's work between rounds; ``prefill_ms``, a call with one new token, is taken off first), so
+``wall_round_ms - round_K_ms`` is the host's share. ``--profile`` also prints the torch profiler's table of one
+replayed round's kernels and of one whole call (host and device), and ``--trace DIR`` writes that call's Chrome trace
+(the gaps between rounds are visible there).
 
     python benchmarks/tools/generate_round_breakdown.py --model llama-1b --batches 1,8,32 --k 4
-    python benchmarks/tools/generate_round_breakdown.py --batches 1 --runner native --profile
+    python benchmarks/tools/generate_round_breakdown.py --batches 1 --runner native --profile --trace /tmp/trace
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ def main() -> None:
                         help="auto: the round commit (and sampler) as Triton kernels; torch: their torch references")
     parser.add_argument("--runner", choices=("auto", "native", "hf"), default="auto",
                         help="what runs the models' steps (compile needs hf)")
-    parser.add_argument("--profile", action="store_true", help="print the kernels of one replayed round")
+    parser.add_argument("--profile", action="store_true", help="print the kernels of one replayed round and the "
+                        "host and device time of one call")
+    parser.add_argument("--trace", default=None, help="with --profile: a folder for each batch's call's Chrome trace")
     args = parser.parse_args()
     runner = "hf" if args.compile else args.runner
     verifier, drafter = build_pair(args.model, 1)
@@ -49,7 +54,7 @@ def main() -> None:
     vocab, k, cuda = verifier.config.vocab_size, args.k, torch.device("cuda")
     greedy = Sampling(greedy=True, top_k=0, top_p=1.0)
     print("model,batch,K,t_verify_1_ms,t_verify_K+1_ms,t_draft_1_ms,t_draft_2_ms,round_0_ms,round_K_ms,"
-          "model_round_ms,wider_verify_ms,wider_first_draft_ms,rest_ms,rounds,rounds_mean_row,wall_round_ms")
+          "model_round_ms,wider_verify_ms,wider_first_draft_ms,rest_ms,rounds,rounds_mean_row,prefill_ms,wall_round_ms")
     with torch.no_grad():
         for batch in [int(b) for b in args.batches.split(",")]:
             engine = get_engine(verifier, drafter, batch, 512, vocab, k, 1, cuda, args.backend, True, args.compile,
@@ -69,22 +74,28 @@ def main() -> None:
             prompts = torch.randint(100, vocab, (batch, 32), generator=torch.Generator().manual_seed(0)).cuda()
             calibrate(scale, verifier, drafter, prompts, args.alpha, 128)
 
-            def call(prompts=prompts):
-                return specdec.generate(verifier, drafter, prompts, max_new_tokens=128, num_draft_tokens=k,
+            def call(prompts=prompts, new_tokens=128):
+                return specdec.generate(verifier, drafter, prompts, max_new_tokens=new_tokens, num_draft_tokens=k,
                                         pad_token_id=0, compile=args.compile, backend=args.backend, runner=runner)
 
+            def timed(new_tokens):
+                torch.cuda.synchronize()
+                begin = time.perf_counter()
+                result = call(new_tokens=new_tokens)
+                torch.cuda.synchronize()
+                return result, time.perf_counter() - begin
+
             call()  # captures this call's rounds
-            torch.cuda.synchronize()
-            begin = time.perf_counter()
-            stats = call().stats
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - begin
+            result, wall = timed(128)
+            prefill = min(timed(1)[1] for _ in range(3))  # the prompt pass and the call's setup, no round (another
+            # capacity bucket: its first call captures, the minimum leaves that out)
+            stats = result.stats
             rounds = len(stats.draft_lengths)
             mean_row = float(stats.verifier_calls.double().mean()) - 1  # (the prompt's call samples token 1)
             print(f"{args.model},{batch},{k},{times['verify_1']:.3f},{times['verify_k']:.3f},{times['draft_1']:.3f},{times['draft_2']:.3f},"
                   f"{round0:.3f},{round_k:.3f},{modelled:.3f},{times['verify_k'] - times['verify_1']:.3f},"
                   f"{times['draft_2'] - times['draft_1']:.3f},{rest:.3f},{rounds},{mean_row:.1f},"
-                  f"{wall / rounds * 1e3:.3f}", flush=True)
+                  f"{prefill * 1e3:.3f},{(wall - prefill) / rounds * 1e3:.3f}", flush=True)
             if args.profile:
                 replay = engine.step("round", k, greedy)
                 engine._park()
@@ -93,6 +104,14 @@ def main() -> None:
                         replay()
                     torch.cuda.synchronize()
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
+                activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                with torch.profiler.profile(activities=activities) as prof:
+                    call()
+                    torch.cuda.synchronize()
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20), flush=True)
+                if args.trace:
+                    os.makedirs(args.trace, exist_ok=True)
+                    prof.export_chrome_trace(os.path.join(args.trace, f"{args.model}_b{batch}_k{k}.json"))
             clear_engines()
 
 
