@@ -28,8 +28,9 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        "test": ["pytest>=7", "ruff>=0.5", "setuptools>=64", "wheel", "gguf>=0.10"],  # setuptools, wheel: the install
-        # test; gguf: the multilingual pipeline's GGUF verifier test
+        # setuptools, wheel: the install test; gguf, accelerate: transformers' GGUF loading (the multilingual
+        # pipeline's GGUF verifier test)
+        "test": ["pytest>=7", "ruff>=0.5", "setuptools>=64", "wheel", "gguf>=0.10", "accelerate>=1.0"],
         "bench": ["pytest-benchmark>=4"],
     },
     entry_points={"console_scripts": ["specdec=specdec.cli:main"]},

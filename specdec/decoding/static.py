@@ -4,7 +4,10 @@ A round is one function of fixed shapes over device state (gpt-fast's design, ba
 two committed tokens and proposes K drafts, the verifier scores the pending token and the K drafts in one call, the
 sampler keeps a prefix of the drafts plus one token, and the bookkeeping (emission, eos, budgets, statistics) runs on
 the device. On CUDA each round shape is captured once as a CUDA graph and replayed, so a round costs one graph launch
-and one host synchronisation (the stop flags and the acceptance counts the automatic K reads).
+and one read of its flags (all finished, NaN seen, the acceptance counts the automatic K reads, tokens emitted). With
+one K and no stop strings or streaming, the next round is queued before the last one's flags are read, so the device
+never waits for the host between rounds; the round queued after the last one changes nothing (below) and is not
+counted. The automatic K, stop strings and streaming read each round's outcome before queueing the next.
 
 Per row ``b``: ``slot_len[b]`` committed tokens fill slots ``0 .. slot_len - 1`` of the row (prompt padding
 included); the last one, ``pending``, is not yet in the verifier's cache, and ``prev`` (slot ``slot_len - 2``) may
@@ -177,7 +180,9 @@ class StaticEngine:
         self.accepted_per_position = zeros(batch, max(max_drafts, 1))
         self.attempted_per_position = zeros(batch, max(max_drafts, 1))
         self.flags = zeros(5)  # all finished, bad logits, accepted, attempted, emitted (this round)
-        self.flags_host = torch.zeros(5, dtype=torch.int64, pin_memory=device.type == "cuda")
+        # two host copies of the flags, so a round can be queued before the last one's flags are read
+        self.flags_host = torch.zeros((2, 5), dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.flags_ready = [torch.cuda.Event() for _ in range(2)] if device.type == "cuda" else None
         self.round_state = RoundState(  # views of the tensors above, advanced by one round-commit launch a round
             self.seq, self.slot_len, self.prev, self.pending, self.generated, self.finished, self.stream_pos,
             self.counters["drafted"], self.counters["accepted"], self.counters["verifier_calls"],
@@ -436,13 +441,25 @@ class StaticEngine:
         self.flags[0] = self.finished.all()
         self.flags[4] = (emitted - dropped).sum()
 
+    def queue_flags(self, copy: int) -> None:
+        """Queues a copy of the round flags, as the work queued so far leaves them, into host copy ``copy`` (0 or 1)
+        without waiting for it (:meth:`queued_flags` waits)."""
+        if self.flags_ready is None:
+            self.flags_host[copy].copy_(self.flags)
+            return
+        self.flags_host[copy].copy_(self.flags, non_blocking=True)
+        self.flags_ready[copy].record(torch.cuda.current_stream(self.device))
+
+    def queued_flags(self, copy: int) -> list[int]:
+        """The five round flags of host copy ``copy``, once the work queued before its copy has run."""
+        if self.flags_ready is not None:
+            self.flags_ready[copy].synchronize()
+        return self.flags_host[copy].tolist()
+
     def read_flags(self) -> list[int]:
         """The five round flags (one host synchronisation)."""
-        if self.device.type == "cuda":
-            self.flags_host.copy_(self.flags, non_blocking=True)
-            torch.cuda.current_stream(self.device).synchronize()
-            return self.flags_host.tolist()
-        return self.flags.tolist()
+        self.queue_flags(0)
+        return self.queued_flags(0)
 
 
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -517,7 +534,8 @@ def decode_static(engine: StaticEngine, controller: DraftLengthController | None
     """Runs rounds until every row stops, on an engine whose rounds :meth:`StaticEngine.prepare` captured.
 
     ``draft_lengths``: one K, or several chosen per round by ``controller``. ``stop``: rows end after a token that
-    completes a stop string (checked after each round). ``on_tokens``: called with each round's new tokens of a
+    completes a stop string (checked after each round). With one K and neither ``stop`` nor ``on_tokens``, each
+    round is queued before the last one's flags are read. ``on_tokens``: called with each round's new tokens of a
     single row ([1, n] int64 on the CPU). Returns the new tokens [B, max_new_tokens] (``pad`` after each row's end),
     their log-probabilities when ``sampling.logprobs`` and the counters (copies: the engine is reused).
     """
@@ -527,16 +545,66 @@ def decode_static(engine: StaticEngine, controller: DraftLengthController | None
     if stop is not None:
         engine.apply_stop(stop, prompt_len, torch.zeros_like(engine.generated), 1)
     flags = engine.read_flags()
+    if controller is None and stop is None and on_tokens is None:
+        rounds = _rounds_queued_ahead(engine, draft_lengths[0], sampling, flags, on_emit)
+    else:
+        rounds = _rounds(engine, controller, prompt_len, draft_lengths, sampling, flags, on_emit, stop, on_tokens)
+    index = torch.arange(max_new_tokens, device=input_ids.device)
+    written = index < engine.generated[:, None]
+    tokens = torch.where(written, engine.seq[:, prompt_len: prompt_len + max_new_tokens], pad)
+    logprobs = None
+    if sampling.logprobs:
+        logprobs = torch.where(written, engine.logprobs[:, prompt_len: prompt_len + max_new_tokens], 0.0)
+    return DecodeResult(tokens, engine.generated.clone(), {k: v.clone() for k, v in engine.counters.items()},
+                        engine.accepted_per_position.clone(), engine.attempted_per_position.clone(), rounds, 0.0,
+                        logprobs)
+
+
+def _check_flags(flags: list[int]) -> None:
+    if flags[1]:
+        raise ValueError("a model produced NaN logits; refusing to turn NaN logits into tokens")
+
+
+def _rounds_queued_ahead(engine: StaticEngine, num_drafts: int, sampling: Sampling, flags: list[int],
+                         on_emit: Callable[[int], None]) -> list[int]:
+    """Rounds of one K with the next round queued before the last one's flags are read, so the device does not wait
+    for the host between rounds. The round queued after the one that finishes every row changes nothing (finished
+    rows emit, count and commit nothing) and is not counted. Returns the K of every counted round."""
+    _check_flags(flags)
+    on_emit(flags[4])
+    rounds: list[int] = []
+    if flags[0]:
+        return rounds
+    replay = engine.step("round", num_drafts, sampling)
+    replay()
+    engine.queue_flags(0)
+    copy = 0
+    while True:
+        replay()  # the next round, queued before this one's flags are read
+        engine.queue_flags(1 - copy)
+        flags = engine.queued_flags(copy)
+        rounds.append(num_drafts)
+        _check_flags(flags)
+        on_emit(flags[4])
+        if flags[0]:
+            return rounds
+        copy = 1 - copy
+
+
+def _rounds(engine: StaticEngine, controller: DraftLengthController | None, prompt_len: int,
+            draft_lengths: tuple[int, ...], sampling: Sampling, flags: list[int], on_emit: Callable[[int], None],
+            stop: StopStringChecker | None, on_tokens: Callable[[torch.Tensor], None] | None) -> list[int]:
+    """Rounds one at a time: each round's K (``controller``), stop strings and streamed tokens need the last
+    round's outcome on the host before the next round is queued. Returns the K of every round."""
     rounds, drafter_behind, streamed = [], 0, 0
     while True:
-        if flags[1]:
-            raise ValueError("a model produced NaN logits; refusing to turn NaN logits into tokens")
+        _check_flags(flags)
         on_emit(flags[4])
         if on_tokens is not None and flags[4]:  # (a single row: flags[4] is its count)
             on_tokens(engine.seq[:1, prompt_len + streamed: prompt_len + streamed + flags[4]].cpu())
             streamed += flags[4]
         if flags[0]:
-            break
+            return rounds
         num_drafts = controller.choose() if controller is not None else draft_lengths[0]
         if num_drafts and drafter_behind:
             engine.step("catch_up", 0, sampling)()
@@ -549,12 +617,3 @@ def decode_static(engine: StaticEngine, controller: DraftLengthController | None
         flags = engine.read_flags()
         if controller is not None and num_drafts:
             controller.observe(flags[2], flags[3])
-    index = torch.arange(max_new_tokens, device=input_ids.device)
-    written = index < engine.generated[:, None]
-    tokens = torch.where(written, engine.seq[:, prompt_len: prompt_len + max_new_tokens], pad)
-    logprobs = None
-    if sampling.logprobs:
-        logprobs = torch.where(written, engine.logprobs[:, prompt_len: prompt_len + max_new_tokens], 0.0)
-    return DecodeResult(tokens, engine.generated.clone(), {k: v.clone() for k, v in engine.counters.items()},
-                        engine.accepted_per_position.clone(), engine.attempted_per_position.clone(), rounds, 0.0,
-                        logprobs)
