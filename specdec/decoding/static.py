@@ -47,6 +47,7 @@ from specdec.decoding.sampling import filter_logits_unchecked, rejection_sample_
 from specdec.decoding.slot_cache import SlotCache, slot_attention_mask
 from specdec.decoding.stop_strings import StopStringChecker
 from specdec.decoding.timing import capture_graph, median_seconds
+from specdec.kernels.exponential_race import exponential_race_triton
 from specdec.kernels.rejection_sampling_reference import exponential_race
 from specdec.kernels.round_commit import MAX_BATCH as ROUND_COMMIT_MAX_BATCH
 from specdec.kernels.round_commit import round_commit_triton
@@ -189,6 +190,7 @@ class StaticEngine:
             self.counters["drafter_calls"], self.accepted_per_position, self.attempted_per_position, self.flags)
         # NOTE: the fused commit holds the batch in one program; larger batches commit through the reference
         self.fused_commit = use_triton(backend, device) and batch <= ROUND_COMMIT_MAX_BATCH
+        self.race = exponential_race_triton if use_triton(backend, device) else exponential_race  # sampled tokens
         self.steps: OrderedDict[Sampling, dict[tuple, Callable[[], None]]] = OrderedDict()  # LRU, MAX_SAMPLINGS
         self.step_seconds: dict[tuple, float] = {}
         # NOTE: a MemPool holds the shared graph pool open for the engine's life; a bare pool handle is closed when
@@ -295,7 +297,7 @@ class StaticEngine:
             token = processed.argmax(dim=-1)
             bad = torch.isnan(processed.gather(1, token[:, None])).any()
         else:
-            token = exponential_race(processed, self.row_seeds, self.stream_pos)
+            token = self.race(processed, self.row_seeds, self.stream_pos)
             bad = torch.isnan(processed.amax(dim=-1)).any()
         logprob = token_logprobs(processed[:, None], token[:, None])[:, 0] if sampling.logprobs else None
         return token, bad, logprob
@@ -316,7 +318,7 @@ class StaticEngine:
                 drafts.append(processed.argmax(dim=-1))
             else:
                 bad = bad | torch.isnan(processed.amax(dim=-1)).any()
-                drafts.append(exponential_race(processed, self.draft_seeds, self.stream_pos + j))
+                drafts.append(self.race(processed, self.draft_seeds, self.stream_pos + j))
                 draft_logits.append(processed)
             if seen is not None:
                 mark_seen(seen, drafts[-1][:, None], torch.ones_like(drafts[-1][:, None], dtype=torch.bool))

@@ -1,5 +1,5 @@
-"""The rejection kernels compile for an H100 (sm_90) on this machine, without a GPU
-(``benchmarks/tools/compile_rejection.py``).
+"""The rejection kernels (``benchmarks/tools/compile_rejection.py``) and the sampled-token race compile for an H100
+(sm_90) on this machine, without a GPU.
 
 The interpreter that runs the kernels in the CPU tests never calls Triton's compiler, so an error only the compiler
 raises (a jit helper called without a constexpr argument, a type mismatch between branches) would first show up on
@@ -28,3 +28,27 @@ def test_rejection_kernels_compile_for_sm90() -> None:
     assert 0 < total <= distinct and compiled == total, done.stdout
     assert sum(line.startswith("ok ") for line in lines) == total, done.stdout
     assert not any(line.startswith("FAILED") for line in lines)
+
+
+RACE_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from specdec.kernels.exponential_race import _race_kernel
+
+signature = {"scores_ptr": "*fp32", "row_stride": "i32", "seeds_ptr": "*i64", "positions_ptr": "*i64",
+             "best_ptr": "*fp32", "arg_ptr": "*i64", "V": "i32", "S": "i32", "CHUNK": "constexpr",
+             "BLOCK": "constexpr"}
+for chunk, block, warps in [(1024, 1024, 4), (65536, 1024, 4), (256, 256, 1)]:
+    constexprs = {"CHUNK": chunk, "BLOCK": block}
+    source = triton.compiler.ASTSource(fn=_race_kernel, signature=signature, constexprs=constexprs)
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    print("ok", chunk, block, warps)
+"""
+
+
+def test_race_kernel_compiles_for_sm90() -> None:
+    """The sampled-token race (``kernels/exponential_race.py``): one tile a chunk, many tiles, a one-warp tile."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", RACE_COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines() == ["ok 1024 1024 4", "ok 65536 1024 4", "ok 256 256 1"], done.stdout
