@@ -37,6 +37,7 @@ import torch
 
 from specdec._validation import check_int_at_least
 from specdec.decoding.timing import capture_graph, median_seconds
+from specdec.kernels.ngram_propose import ngram_propose_triton
 
 NGRAM = "ngram"  # the ``drafter`` shorthand for ``ngram_drafter()``
 PREFIX_CHUNK = 256  # prefixes per block in :func:`prefix_proposals` (bounds its [B, chunk, L] match tables)
@@ -185,16 +186,19 @@ class NgramSlot:
     ``key_ok`` [B, S] bool (False at prompt padding) and ``slot_positions`` [B, S] int64 are the engine's tensors
     (refilled in place for each call). Each call writes its tokens into ``table`` at their positions and proposes the
     token after each of its last ``keep`` slots; every operation has a fixed shape, so the call is captured in the
-    round's CUDA graph.
+    round's CUDA graph. ``use_kernels``: the proposal as one Triton launch (default: on CUDA), else
+    :func:`ngram_propose`.
     """
 
     def __init__(self, drafter: NgramDrafter, batch: int, capacity: int, vocab: int, key_ok: torch.Tensor,
-                 slot_positions: torch.Tensor):
+                 slot_positions: torch.Tensor, *, use_kernels: bool | None = None):
         self.model = weakref.ref(drafter)  # (the engine's identity check reads it as it reads a model slot's)
         self.max_ngram, self.min_ngram = drafter.max_ngram, drafter.min_ngram
         self.vocab = vocab
         self.key_ok, self.slot_positions = key_ok, slot_positions
         device = key_ok.device
+        self.propose = ngram_propose_triton if (device.type == "cuda" if use_kernels is None else use_kernels) \
+            else ngram_propose
         self.table = torch.zeros((batch, capacity + 1), dtype=torch.int64, device=device)  # [B, S + 1] tokens
         self.lengths = torch.ones(batch, dtype=torch.int64, device=device)  # [B] tokens of the last call's context
 
@@ -202,7 +206,7 @@ class NgramSlot:
         positions = self.slot_positions.gather(1, slots)
         write_tokens(self.table, self.lengths, ids, positions, self.key_ok.gather(1, slots))
         tokens = self.table[:, :-1]
-        proposals = [ngram_propose(tokens, positions[:, j] + 1, self.max_ngram, self.min_ngram)
+        proposals = [self.propose(tokens, positions[:, j] + 1, self.max_ngram, self.min_ngram)
                      for j in range(ids.shape[1] - keep, ids.shape[1])]
         return one_hot_logits(torch.stack(proposals, dim=1), self.vocab)
 

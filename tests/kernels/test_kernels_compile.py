@@ -1,5 +1,5 @@
-"""The rejection kernels (``benchmarks/tools/compile_rejection.py``) and the sampled-token race compile for an H100
-(sm_90) on this machine, without a GPU.
+"""The rejection kernels (``benchmarks/tools/compile_rejection.py``), the sampled-token race and the n-gram proposal
+compile for an H100 (sm_90) on this machine, without a GPU.
 
 The interpreter that runs the kernels in the CPU tests never calls Triton's compiler, so an error only the compiler
 raises (a jit helper called without a constexpr argument, a type mismatch between branches) would first show up on
@@ -52,3 +52,27 @@ def test_race_kernel_compiles_for_sm90() -> None:
     done = subprocess.run([sys.executable, "-c", RACE_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.splitlines() == ["ok 1024 1024 4", "ok 65536 1024 4", "ok 256 256 1"], done.stdout
+
+
+NGRAM_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from specdec.kernels.ngram_propose import _ngram_kernel
+
+signature = {"tokens_ptr": "*i64", "row_stride": "i32", "lengths_ptr": "*i64", "out_ptr": "*i64", "N": "i32",
+             "MAX_NGRAM": "constexpr", "MIN_NGRAM": "constexpr", "NP2": "constexpr", "BLOCK": "constexpr"}
+for max_ngram, min_ngram, block, warps in [(3, 1, 512, 4), (1, 1, 512, 4), (4, 2, 64, 1)]:
+    constexprs = {"MAX_NGRAM": max_ngram, "MIN_NGRAM": min_ngram, "NP2": triton.next_power_of_2(max_ngram),
+                  "BLOCK": block}
+    source = triton.compiler.ASTSource(fn=_ngram_kernel, signature=signature, constexprs=constexprs)
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    print("ok", max_ngram, min_ngram, block)
+"""
+
+
+def test_ngram_kernel_compiles_for_sm90() -> None:
+    """The n-gram proposal (``kernels/ngram_propose.py``): the default 3..1, unigrams, a narrow range in small tiles."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", NGRAM_COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines() == ["ok 3 1 512", "ok 1 1 512", "ok 4 2 64"], done.stdout
