@@ -7,10 +7,13 @@ the GPU machine. Triton's front end and its NVIDIA back end (the bundled ``ptxas
 variants of the shipped launch plans are compiled here, in a subprocess without ``TRITON_INTERPRET``.
 """
 
+import json
 import os
 import re
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "tools", "compile_rejection.py")
@@ -30,49 +33,41 @@ def test_rejection_kernels_compile_for_sm90() -> None:
     assert not any(line.startswith("FAILED") for line in lines)
 
 
-RACE_COMPILE = """
+COMPILE_VARIANTS = """
+import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
-from specdec.kernels.exponential_race import _race_kernel
+from specdec.kernels import exponential_race, ngram_propose
 
-signature = {"scores_ptr": "*fp32", "row_stride": "i32", "seeds_ptr": "*i64", "positions_ptr": "*i64",
-             "best_ptr": "*fp32", "arg_ptr": "*i64", "V": "i32", "S": "i32", "CHUNK": "constexpr",
-             "BLOCK": "constexpr"}
-for chunk, block, warps in [(1024, 1024, 4), (65536, 1024, 4), (256, 256, 1)]:
-    constexprs = {"CHUNK": chunk, "BLOCK": block}
-    source = triton.compiler.ASTSource(fn=_race_kernel, signature=signature, constexprs=constexprs)
+kernels = {"race": exponential_race._race_kernel, "ngram": ngram_propose._ngram_kernel}
+name, signature, variants = json.loads(sys.argv[1])
+for constexprs, warps in variants:
+    signature.update({key: "constexpr" for key in constexprs})
+    source = triton.compiler.ASTSource(fn=kernels[name], signature=signature, constexprs=constexprs)
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-    print("ok", chunk, block, warps)
+    print("ok", *constexprs.values(), warps)
 """
+SINGLE_KERNELS = {
+    # the sampled-token race: one tile a chunk, many tiles, a one-warp tile
+    "race": ({"scores_ptr": "*fp32", "row_stride": "i32", "seeds_ptr": "*i64", "positions_ptr": "*i64",
+              "best_ptr": "*fp32", "arg_ptr": "*i64", "V": "i32", "S": "i32"},
+             [({"CHUNK": 1024, "BLOCK": 1024}, 4), ({"CHUNK": 65536, "BLOCK": 1024}, 4),
+              ({"CHUNK": 256, "BLOCK": 256}, 1)]),
+    # the n-gram proposal: the default 3..1, unigrams, a narrow range in small tiles
+    "ngram": ({"tokens_ptr": "*i64", "row_stride": "i32", "lengths_ptr": "*i64", "out_ptr": "*i64", "N": "i32"},
+              [({"MAX_NGRAM": 3, "MIN_NGRAM": 1, "NP2": 4, "BLOCK": 512}, 4),
+               ({"MAX_NGRAM": 1, "MIN_NGRAM": 1, "NP2": 1, "BLOCK": 512}, 4),
+               ({"MAX_NGRAM": 4, "MIN_NGRAM": 2, "NP2": 4, "BLOCK": 64}, 1)]),
+}
 
 
-def test_race_kernel_compiles_for_sm90() -> None:
-    """The sampled-token race (``kernels/exponential_race.py``): one tile a chunk, many tiles, a one-warp tile."""
+@pytest.mark.parametrize("name", sorted(SINGLE_KERNELS))
+def test_single_kernels_compile_for_sm90(name: str) -> None:
+    """``kernels/exponential_race.py`` and ``kernels/ngram_propose.py`` at the constexprs their launches take."""
+    signature, variants = SINGLE_KERNELS[name]
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", RACE_COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", COMPILE_VARIANTS, json.dumps([name, signature, variants])], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.splitlines() == ["ok 1024 1024 4", "ok 65536 1024 4", "ok 256 256 1"], done.stdout
-
-
-NGRAM_COMPILE = """
-import triton
-from triton.backends.compiler import GPUTarget
-from specdec.kernels.ngram_propose import _ngram_kernel
-
-signature = {"tokens_ptr": "*i64", "row_stride": "i32", "lengths_ptr": "*i64", "out_ptr": "*i64", "N": "i32",
-             "MAX_NGRAM": "constexpr", "MIN_NGRAM": "constexpr", "NP2": "constexpr", "BLOCK": "constexpr"}
-for max_ngram, min_ngram, block, warps in [(3, 1, 512, 4), (1, 1, 512, 4), (4, 2, 64, 1)]:
-    constexprs = {"MAX_NGRAM": max_ngram, "MIN_NGRAM": min_ngram, "NP2": triton.next_power_of_2(max_ngram),
-                  "BLOCK": block}
-    source = triton.compiler.ASTSource(fn=_ngram_kernel, signature=signature, constexprs=constexprs)
-    triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-    print("ok", max_ngram, min_ngram, block)
-"""
-
-
-def test_ngram_kernel_compiles_for_sm90() -> None:
-    """The n-gram proposal (``kernels/ngram_propose.py``): the default 3..1, unigrams, a narrow range in small tiles."""
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", NGRAM_COMPILE], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.splitlines() == ["ok 3 1 512", "ok 1 1 512", "ok 4 2 64"], done.stdout
+    expected = [" ".join(["ok", *(str(v) for v in constexprs.values()), str(warps)]) for constexprs, warps in variants]
+    assert done.stdout.splitlines() == expected, done.stdout
