@@ -1,10 +1,10 @@
 """The n-gram (prompt-lookup) proposal in one launch: one program per row.
 
-Computes :func:`specdec.decoding.ngram.ngram_propose`, the definition: with ``t`` a row's ``L`` tokens, for ``n``
-from ``max_ngram`` down to ``min_ngram`` the largest ``j < L - 1`` whose last ``n`` tokens ``t[j - n + 1 .. j]``
-equal the row's last ``n`` tokens, and the proposal ``t[j + 1]`` for the first ``n`` that has one; else ``t[L - 1]``.
-The torch version is about fifty small kernels over ``[B, S]`` a proposal (shifted copies, comparisons and a
-max-reduction for every ``n``); K drafts of an n-gram drafter make K proposals a round.
+Computes :func:`~specdec.kernels.ngram_propose_reference.ngram_propose`, the definition: with ``t`` a row's ``L``
+tokens, for ``n`` from ``max_ngram`` down to ``min_ngram`` the largest ``j < L - 1`` whose last ``n`` tokens
+``t[j - n + 1 .. j]`` equal the row's last ``n`` tokens, and the proposal ``t[j + 1]`` for the first ``n`` that has
+one; else ``t[L - 1]``. The reference is about fifty small kernels over ``[B, N]`` a proposal (shifted copies,
+comparisons and a max-reduction for every ``n``); K drafts of an n-gram drafter make K proposals a round.
 
 A program streams its row's context in tiles of ``BLOCK`` positions ``j``, counts how many of the last
 ``MAX_NGRAM`` tokens ending at ``j`` agree with the row's suffix (``run(j)``), and keeps for every ``n`` the largest
@@ -55,7 +55,7 @@ def _ngram_kernel(tokens_ptr, row_stride, lengths_ptr, out_ptr, N,
 
 
 def ngram_propose_triton(tokens: torch.Tensor, lengths: torch.Tensor, max_ngram: int, min_ngram: int) -> torch.Tensor:
-    """:func:`specdec.decoding.ngram.ngram_propose` in one launch (inputs unchecked).
+    """:func:`~specdec.kernels.ngram_propose_reference.ngram_propose` in one launch (inputs unchecked).
 
     Parameters
     ----------

@@ -247,6 +247,7 @@ def stage_train(ctx: Context, names: list[str] | None = None, export: str | Path
         remaining = clock.remaining()
         if index and remaining is not None and remaining <= 0:  # the first model always starts
             rows.append(clock.stopped_row("train", [s.name for s in specs[:index]], [s.name for s in specs[index:]]))
+            write_rows(ctx, rows_name, rows)
             break
         # a model trains (or distils) until train_max_seconds or the stage's cap, whichever comes first
         limits = {"train_max_seconds": cfg.train_max_seconds, "stage_max_seconds": remaining}
@@ -288,7 +289,6 @@ def stage_train(ctx: Context, names: list[str] | None = None, export: str | Path
         if model is not verifier:
             del model
         write_rows(ctx, rows_name, rows)  # after every model: a call cut short keeps the rows of those it finished
-    write_rows(ctx, rows_name, rows)
     return rows
 
 
@@ -319,6 +319,7 @@ def distill_self_drafter(ctx: Context, verifier: torch.nn.Module, spec: Any, tok
     learning rate ``spec.lr``), stopped after the step that passes ``max_seconds``. The verifier's fingerprint
     is taken before and after (a change raises RuntimeError). Returns the drafter and its log."""
     from specdec import FinetuneConfig, finetune_drafter, layer_skip_drafter
+    from specdec.training.finetune import task_token_shares
 
     cfg = ctx.cfg
     drafter = layer_skip_drafter(verifier, spec.self_layers, share_weights=False).float().requires_grad_(True)
@@ -341,7 +342,10 @@ def distill_self_drafter(ctx: Context, verifier: torch.nn.Module, spec: Any, tok
 
     log: dict[str, Any] = {"distill_steps": spec.distill_steps, "method": "uniform_kd",
                            "steps": spec.distill_steps, "batch_size": spec.batch_size, "seq_len": cfg.finetune_seq_len,
-                           "weights": _token_shares(tasks)}
+                           # the natural mixture uniform distillation draws from: each language's share of the windows
+                           # next-token positions
+                           "weights": dict(zip(tasks, task_token_shares(list(tasks.values()),
+                                                                        cfg.finetune_seq_len), strict=True))}
     try:
         result = finetune_drafter(drafter, verifier, tasks, config=config, eval_tasks=held,
                                   pad_token_id=special_ids(tokenizer).pad, progress=ctx.progress, callback=on_step)
@@ -361,13 +365,6 @@ def distill_self_drafter(ctx: Context, verifier: torch.nn.Module, spec: Any, tok
                heldout_loss=heldout_loss(drafter, heldout, cfg.heldout_windows, cfg.eval_batch_size,
                                          autocast=ctx.device.type == "cuda"))
     return drafter, log
-
-
-def _token_shares(tasks: dict[str, list[list[int]]]) -> dict[str, float]:
-    """Each task's share of the training tokens: the natural mixture uniform distillation draws from."""
-    counts = {name: sum(len(ids) for ids in docs) for name, docs in tasks.items()}
-    total = sum(counts.values())
-    return {name: count / total for name, count in counts.items()}
 
 
 # --------------------------------------------------------------------------------------------- finetune and evaluate

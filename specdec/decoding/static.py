@@ -188,9 +188,10 @@ class StaticEngine:
             self.seq, self.slot_len, self.prev, self.pending, self.generated, self.finished, self.stream_pos,
             self.counters["drafted"], self.counters["accepted"], self.counters["verifier_calls"],
             self.counters["drafter_calls"], self.accepted_per_position, self.attempted_per_position, self.flags)
+        kernels = use_triton(backend, device)
         # NOTE: the fused commit holds the batch in one program; larger batches commit through the reference
-        self.fused_commit = use_triton(backend, device) and batch <= ROUND_COMMIT_MAX_BATCH
-        self.race = exponential_race_triton if use_triton(backend, device) else exponential_race  # sampled tokens
+        self.fused_commit = kernels and batch <= ROUND_COMMIT_MAX_BATCH
+        self.race = exponential_race_triton if kernels else exponential_race  # draws sampled tokens and drafts
         self.steps: OrderedDict[Sampling, dict[tuple, Callable[[], None]]] = OrderedDict()  # LRU, MAX_SAMPLINGS
         self.step_seconds: dict[tuple, float] = {}
         # NOTE: a MemPool holds the shared graph pool open for the engine's life; a bare pool handle is closed when

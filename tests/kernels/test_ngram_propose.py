@@ -1,12 +1,13 @@
-"""The fused n-gram proposal equals :func:`specdec.decoding.ngram.ngram_propose` exactly (integer arithmetic): token
-tables of small vocabularies (so suffixes recur), rows of length 1 up to the table width, every suffix range
-``min_ngram .. max_ngram`` up to 4, widths that are not tile multiples and strided tables."""
+"""The fused n-gram proposal equals its reference, :func:`~specdec.kernels.ngram_propose_reference.ngram_propose`,
+exactly (integer arithmetic): token tables of small vocabularies (so suffixes recur), rows of length 1 up to the
+table width, every suffix range ``min_ngram .. max_ngram`` up to 4, widths that are not tile multiples and strided
+tables."""
 
 import pytest
 import torch
 
-from specdec.decoding.ngram import ngram_propose
 from specdec.kernels.ngram_propose import ngram_propose_triton
+from specdec.kernels.ngram_propose_reference import ngram_propose
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
