@@ -18,8 +18,9 @@ NEVER = "\u2603\u2603\u2603\u2603"  # a stop string these models do not write: i
 @pytest.fixture(scope="module")
 def setting():
     tokenizer = byte_level_tokenizer()
-    verifier = tiny_llama(vocab_size=len(tokenizer), hidden_size=64, num_layers=2, seed=0, init_std=0.3).to(DEVICE)
+    verifier = tiny_llama(vocab_size=len(tokenizer), hidden_size=64, num_layers=2, seed=0, init_std=0.3)
     drafter = perturbed_copy(verifier, noise=0.05, seed=1).to(DEVICE)
+    verifier = verifier.to(DEVICE)
     input_ids, attention_mask = left_padded_prompts([5, 9, 2, 7], len(tokenizer), seed=4)
     input_ids, attention_mask = input_ids.to(DEVICE), attention_mask.to(DEVICE)
     greedy = verifier.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=12,
