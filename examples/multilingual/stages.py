@@ -242,7 +242,7 @@ def stage_train(ctx: Context, names: list[str] | None = None, export: str | Path
     ids = special_ids(tokenizer)
     verifier = None
     rows = []
-    rows_name = "train__" + "+".join(s.name for s in specs)
+    rows_name = "train__" + ".".join(s.name for s in specs)  # names a device can return: letters, digits, . _ -
     for index, spec in enumerate(specs):
         remaining = clock.remaining()
         if index and remaining is not None and remaining <= 0:  # the first model always starts
@@ -467,7 +467,7 @@ def stage_finetune(ctx: Context, pairs: list[str] | None = None, variants: list[
     before = _fingerprint(ctx, verifier, tokenizer, fingerprint_prompts) if ctx.main else None
     rows: list[dict[str, Any]] = []
     tag = hashlib.sha256(",".join(variants).encode()).hexdigest()[:8]
-    rows_name = f"{experiment}__{'+'.join(pairs)}__{tag}__w{ctx.world}"
+    rows_name = f"{experiment}__{'.'.join(pairs)}__{tag}__w{ctx.world}"
     initial: Any = None
     cost = None
     for index, (pair, variant) in enumerate(tqdm(units, desc=f"{experiment}: pairs x variants",
