@@ -217,7 +217,8 @@ def test_every_pair_variant_and_language_is_evaluated_with_the_verifier_unchange
     for r in tasks:
         for key in ("alpha", "alpha_measured", "tokens_per_call", "chars_per_call", "speedup_predicted",
                     "speedup_measured", "cross_entropy", "kl", "tv", "fitness", "chars_per_token",
-                    "char_speedup_predicted", "char_rate_generation", "char_rate_measured"):
+                    "char_speedup_predicted", "char_rate_generation", "char_rate_measured",
+                    "speedup_measured_decode", "first_token_seconds"):
             assert r[key] is not None, key
         assert r["char_speedup_predicted"] == pytest.approx(r["chars_per_token"] * r["speedup_predicted"])
         assert r["char_rate_measured"] == pytest.approx(r["chars_per_token"] * r["speedup_measured"])
@@ -258,6 +259,7 @@ def test_the_report_has_every_variant_and_language(smoke_run):
         assert all(f" {lang} " in header for lang in LANGS)
     assert "Against uniform distillation" in report
     assert "S measured: over specdec.generate with no drafts (same path)." in report  # the default baseline
+    assert "S measured after the first token (the rounds alone) per task:" in report
     figures = sorted(p.name for p in (smoke_run["results"] / "figures").glob("*.png"))
     assert "languages__small-skewed__alpha.png" in figures and \
         "domains__small-skewed__char_speedup_predicted.png" in figures

@@ -108,7 +108,7 @@ def _pair_tables(runs: dict[str, dict[str, Any]], dominant: str | None) -> list[
     lines = ["Per token:", ""]
     headers = ["variant", "mean α", "worst α (task)", "α std", "α gen mean", "U on K_T", "U on D_T", "U on TV_T",
                "S pred mean", "S pred max/min", "S measured mean", "S measured std", "S measured max/min",
-               "Spearman(fitness, S pred)",
+               "S measured after the first token mean", "Spearman(fitness, S pred)",
                "Spearman(fitness, S measured)"]
     if dominant:
         headers += [f"{dominant} α", f"{dominant} α − uniform KD (points)"]
@@ -120,7 +120,8 @@ def _pair_tables(runs: dict[str, dict[str, Any]], dominant: str | None) -> list[
         row = [v, s.get("alpha_mean"), worst, s.get("alpha_std"), s.get("alpha_measured_mean"), s.get("U_ce"),
                s.get("U_kl"), s.get("U_tv"), s.get("speedup_predicted_mean"), s.get("speedup_predicted_max_over_min"),
                s.get("speedup_measured_mean"), s.get("speedup_measured_std"), s.get("speedup_measured_max_over_min"),
-               s.get("spearman_fitness_speedup_predicted"), s.get("spearman_fitness_speedup_measured")]
+               s.get("speedup_measured_decode_mean"), s.get("spearman_fitness_speedup_predicted"),
+               s.get("spearman_fitness_speedup_measured")]
         if dominant:
             base = _get(uniform, "dominant_alpha")
             here = s.get("dominant_alpha")
@@ -146,7 +147,8 @@ def _pair_tables(runs: dict[str, dict[str, Any]], dominant: str | None) -> list[
     tasks = [r["task"] for r in runs[variants[0]]["tasks"]]
     for key, title in (("alpha", "α_T per task (teacher-forced)"), ("alpha_measured", "α per task (generation)"),
                        ("char_speedup_predicted", "ρ_T·S(α_T) per task"),
-                       ("speedup_measured", "S measured per task")):
+                       ("speedup_measured", "S measured per task"),
+                       ("speedup_measured_decode", "S measured after the first token (the rounds alone) per task")):
         if not any(r.get(key) is not None for run in runs.values() for r in run["tasks"]):
             continue
         lines += ["", f"{title}:", ""]
@@ -277,10 +279,11 @@ def drafter_lines(runs: dict[tuple, dict[str, Any]], experiment: str, pairs: lis
         table.append([pair, s.get("drafter_kind", "–"), s.get("cost_ratio"), s.get("alpha_mean"), s.get("alpha_std"),
                       s.get("alpha_max_over_min"), s.get("speedup_predicted_mean"), s.get("speedup_measured_mean"),
                       s.get("speedup_measured_std"), s.get("speedup_measured_max_over_min"),
-                      f"{format_number(s.get('speedup_measured_min'))} ({slowest})", s.get("speedup_measured_max")])
+                      f"{format_number(s.get('speedup_measured_min'))} ({slowest})", s.get("speedup_measured_max"),
+                      s.get("speedup_measured_decode_mean")])
     lines += markdown_table(["drafter", "kind", "c", "mean α", "α std", "α max/min", "S pred mean", "S measured mean",
-                             "S measured std", "S measured max/min", "S measured min (task)", "S measured max"],
-                            table)
+                             "S measured std", "S measured max/min", "S measured min (task)", "S measured max",
+                             "S measured after the first token mean"], table)
     tasks = list(dict.fromkeys(r["task"] for run in found.values() for r in run["tasks"]))
     for key, title in (("alpha", "α_T per task"), ("speedup_measured", "S measured per task")):
         lines += ["", f"{title}, by drafter:", ""]

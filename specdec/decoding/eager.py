@@ -33,8 +33,9 @@ from specdec.kernels.rejection_sampling_reference import exponential_race
 @dataclass
 class DecodeResult:
     """Output of one decoding path: ``tokens`` [B, max_new_tokens] (pad after each row's ``generated`` [B]),
-    per-row counters, per-position acceptance counts [B, K_max], the K of each round, setup seconds, and the
-    log-probability of each new token [B, max_new_tokens] float32 (0 after a row's end) when asked for."""
+    per-row counters, per-position acceptance counts [B, K_max], the K of each round, setup seconds, the
+    log-probability of each new token [B, max_new_tokens] float32 (0 after a row's end) when asked for, and
+    ``first_token_at``, the ``time.perf_counter()`` at which the prompt pass's token was on the host."""
 
     tokens: torch.Tensor
     generated: torch.Tensor
@@ -44,6 +45,7 @@ class DecodeResult:
     draft_lengths: list[int]
     setup_seconds: float
     logprobs: torch.Tensor | None = None
+    first_token_at: float = 0.0
 
 
 class _ModelRunner:
@@ -209,6 +211,9 @@ def decode_eager(verifier: torch.nn.Module, drafter: torch.nn.Module | NgramDraf
     next_position = next_position + 1
     cur_len = prompt_len + 1
 
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the first token is on the device: the time to it is the call's latency
+    first_token_at = time.perf_counter()
     while not bool(finished.all()):
         active = ~finished
         num_drafts = controller.choose() if controller is not None else draft_lengths[0]
@@ -314,4 +319,4 @@ def decode_eager(verifier: torch.nn.Module, drafter: torch.nn.Module | NgramDraf
     if out_logprobs is not None:
         out_logprobs = torch.where(written, out_logprobs, 0.0)
     return DecodeResult(out_tokens, generated, counters, accepted_per_position, attempted_per_position, rounds, 0.0,
-                        out_logprobs)
+                        out_logprobs, first_token_at)

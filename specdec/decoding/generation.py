@@ -54,7 +54,9 @@ class SpecDecodeStats:
     paths the first verifier call is the prompt pass, which emits the first token, and every later one is a round
     (so ``generated / verifier_calls`` sits below E[N] by about one round's share; :attr:`tokens_per_round` does not).
     accepted_per_position / attempted_per_position: [B, K] counts of acceptance tests at draft position j.
-    wall_time_s: wall-clock time of the whole call (device synchronised).
+    wall_time_s: wall-clock time of the whole call (device synchronised). time_to_first_token_s: wall-clock time from
+    the call's start until the prompt pass's token was on the host (setup and capture included);
+    ``wall_time_s - time_to_first_token_s`` is the rounds' time.
     num_draft_tokens: K (the largest K for ``"auto"``). draft_lengths: the K of every round, in order.
     path: ``"static"`` (slot caches, CUDA graphs on CUDA) or ``"eager"`` (dynamic caches).
     fallback_reason: why the static path was not used, when it was asked for or would be the default; with
@@ -73,6 +75,7 @@ class SpecDecodeStats:
     accepted_per_position: torch.Tensor
     attempted_per_position: torch.Tensor
     wall_time_s: float = 0.0
+    time_to_first_token_s: float = 0.0
     num_draft_tokens: int = field(default=1)
     draft_lengths: list[int] = field(default_factory=list)
     path: str = "eager"
@@ -137,6 +140,7 @@ class SpecDecodeStats:
             "tokens_per_round": self.total_tokens_per_round,
             "compiled": self.compiled,
             "wall_time_s": self.wall_time_s,
+            "time_to_first_token_s": self.time_to_first_token_s,
             "path": self.path,
             "runner": self.runner,
             "fallback_reason": self.fallback_reason,
@@ -466,7 +470,8 @@ def generate(
         verifier_calls=counters["verifier_calls"].cpu(), drafter_calls=counters["drafter_calls"].cpu(),
         accepted_per_position=result.accepted_per_position[:, :max(max_drafts, 1)].cpu(),
         attempted_per_position=result.attempted_per_position[:, :max(max_drafts, 1)].cpu(),
-        wall_time_s=wall_time, num_draft_tokens=max_drafts, draft_lengths=result.draft_lengths,
+        wall_time_s=wall_time, time_to_first_token_s=result.first_token_at - start_time, num_draft_tokens=max_drafts,
+        draft_lengths=result.draft_lengths,
         path=path, fallback_reason=reason, setup_time_s=result.setup_seconds,
         compiled=compile and path == "static" and (runner == "hf" or native_reason is not None), runner=used_runner,
     )

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -548,6 +549,7 @@ def decode_static(engine: StaticEngine, controller: DraftLengthController | None
     if stop is not None:
         engine.apply_stop(stop, prompt_len, torch.zeros_like(engine.generated), 1)
     flags = engine.read_flags()
+    first_token_at = time.perf_counter()  # read_flags waited for the prompt pass
     if controller is None and stop is None and on_tokens is None:
         rounds = _rounds_queued_ahead(engine, draft_lengths[0], sampling, flags, on_emit)
     else:
@@ -560,7 +562,7 @@ def decode_static(engine: StaticEngine, controller: DraftLengthController | None
         logprobs = torch.where(written, engine.logprobs[:, prompt_len: prompt_len + max_new_tokens], 0.0)
     return DecodeResult(tokens, engine.generated.clone(), {k: v.clone() for k, v in engine.counters.items()},
                         engine.accepted_per_position.clone(), engine.attempted_per_position.clone(), rounds, 0.0,
-                        logprobs)
+                        logprobs, first_token_at)
 
 
 def _check_flags(flags: list[int]) -> None:

@@ -11,7 +11,8 @@ drafter after the same temperature, averaged over all prefixes s of the task's t
 * from real :func:`specdec.generate` runs on the prompts: the measured acceptance rate and tokens per verifier call
   (and ``speedup_predicted_generation``, tokens per call over ``K c + 1``), and the measured wall-clock speed-up
   ``speedup_measured`` over the verifier's own ``generate`` (or, ``wall_clock_baseline="specdec"``, over
-  ``specdec.generate`` with no drafts) on the same prompts (:func:`measure_wall_clock_speedup`).
+  ``specdec.generate`` with no drafts) on the same prompts (:func:`measure_wall_clock_speedup`); with the latter
+  also ``speedup_measured_decode``, the same after each call's first token (the rounds alone).
 
 The cost ratio c = t_drafter / t_verifier is given or measured on the decoding step that :func:`specdec.generate`
 runs (:func:`measure_decode_costs`); the report says which, with the measured spread (:class:`CostRatio`).
@@ -422,6 +423,8 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
                 row.speedup_measured = timing.speedup
                 row.speedup_measured_min, row.speedup_measured_max = timing.speedup_min, timing.speedup_max
                 row.speculative_seconds, row.plain_seconds = timing.speculative_s, timing.plain_s
+                row.speedup_measured_decode, row.first_token_seconds = (timing.decode_speedup,
+                                                                        timing.plain_first_token_s)
             else:
                 runs = run_speculative(verifier, drafter, prompt_tokens, **generation)
             gen = _generation_figures(runs, tokenizer)
@@ -456,6 +459,8 @@ def evaluate(verifier: torch.nn.Module, drafter: torch.nn.Module,
     timed = [r for r in rows if r.speedup_measured is not None]
     if timed:
         summary.update(_spread([r.speedup_measured for r in timed], "speedup_measured"))
+        decode = [r.speedup_measured_decode for r in timed if r.speedup_measured_decode is not None]
+        summary.update(_spread(decode, "speedup_measured_decode"))
     # Per-character figures (DESIGN.md): char_speedup_predicted = rho_T S(alpha_T), rho_T = characters per text token:
     # characters per unit of verifier-step time relative to one token per verifier call. Each task's figure depends
     # on that task alone.

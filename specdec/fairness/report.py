@@ -78,6 +78,9 @@ class TaskFairness:
     speedup_measured_max: float | None = None
     speculative_seconds: float | None = None  # median seconds of specdec.generate over the prompts
     plain_seconds: float | None = None  # median seconds of verifier.generate over the same prompts
+    # with wall_clock_baseline "specdec": the same after each call's first token (the rounds alone, what S models)
+    speedup_measured_decode: float | None = None
+    first_token_seconds: float | None = None  # median seconds to the first tokens (setup and prompt pass), plain side
 
 
 @dataclass

@@ -131,6 +131,12 @@ class WallClockSpeedup:
     seconds of one repetition; ``speedup_min`` and ``speedup_max`` the extreme per-repetition ratios. Below 1,
     speculative decoding was slower. ``speculative_runs``: the last timed ``specdec.generate`` call of each batch, in
     prompt order (what :func:`run_speculative` returns for the same arguments).
+
+    With ``baseline="specdec"`` both sides are :func:`specdec.generate` calls, whose stats split each call at its
+    first token: ``speculative_first_token_s`` and ``plain_first_token_s`` are the median seconds per repetition up
+    to each batch's first token (setup and the prompt pass, the same work on both sides), and ``decode_speedup`` the
+    median ratio of the rates after it, (tokens - rows) / (wall - time to first token) per side: the speed-up of the
+    rounds alone, the figure S(alpha, K, c) models. None with ``baseline="hf"``.
     """
 
     speedup: float
@@ -142,6 +148,9 @@ class WallClockSpeedup:
     speculative_tokens: int
     plain_tokens: int
     baseline: str = "hf"
+    decode_speedup: float | None = None
+    speculative_first_token_s: float | None = None
+    plain_first_token_s: float | None = None
     speculative_runs: tuple[SpeculativeRun, ...] = field(default=(), repr=False)
 
 
@@ -412,17 +421,21 @@ def measure_wall_clock_speedup(verifier: torch.nn.Module, drafter: torch.nn.Modu
     if sampled:
         plain_options.update(temperature=temperature, top_k=0, top_p=1.0)
     speculative_times, plain_times = [0.0] * repeats, [0.0] * repeats
-    speculative_tokens = plain_tokens = 0
+    # per repetition and side: seconds up to the first token, and seconds after it (specdec's stats; "specdec" only)
+    first_token = {True: [0.0] * repeats, False: [0.0] * repeats}
+    after_first = {True: [0.0] * repeats, False: [0.0] * repeats}
+    speculative_tokens = plain_tokens = rows = 0
     runs: list[SpeculativeRun] = []
 
-    def plain(index: int) -> int:
+    def plain(index: int) -> tuple[int, Any]:
         if baseline == "specdec":
-            return int(setup.run(verifier, drafter, index, num_draft_tokens=0).output.stats.generated.sum())
+            stats = setup.run(verifier, drafter, index, num_draft_tokens=0).output.stats
+            return int(stats.generated.sum()), stats
         ids, mask = setup.batches[index]
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(setup.batch_seed(index))
             out = verifier.generate(input_ids=ids, attention_mask=mask, **plain_options)
-        return _emitted_tokens(out[:, ids.shape[1]:], eos_ids)
+        return _emitted_tokens(out[:, ids.shape[1]:], eos_ids), None
 
     for index in range(len(setup.batches)):
         for _ in range(warmup):
@@ -436,16 +449,28 @@ def measure_wall_clock_speedup(verifier: torch.nn.Module, drafter: torch.nn.Modu
                 if speculative:
                     seconds, last = _timed(device, setup.run, verifier, drafter, index)
                     speculative_times[repetition] += seconds
+                    stats = last.output.stats
                 else:
-                    seconds, plain_count = _timed(device, plain, index)
+                    seconds, (plain_count, stats) = _timed(device, plain, index)
                     plain_times[repetition] += seconds
+                if stats is not None:
+                    first_token[speculative][repetition] += stats.time_to_first_token_s
+                    after_first[speculative][repetition] += stats.wall_time_s - stats.time_to_first_token_s
         runs.append(last)  # every timed call redoes the same work with the same seed: the last stands for all
         speculative_tokens += int(last.output.stats.generated.sum())
         plain_tokens += plain_count
+        rows += int(setup.batches[index][0].shape[0])
     ratios = [(speculative_tokens / max(s, 1e-12)) / (plain_tokens / max(p, 1e-12))
               for p, s in zip(plain_times, speculative_times, strict=True)]
+    decoding: dict[str, float | None] = {"decode_speedup": None, "speculative_first_token_s": None,
+                                         "plain_first_token_s": None}
+    if baseline == "specdec" and plain_tokens > rows:  # the prompt pass emits each row's first token on both sides
+        decode_ratios = [((speculative_tokens - rows) / max(s, 1e-12)) / ((plain_tokens - rows) / max(p, 1e-12))
+                         for p, s in zip(after_first[False], after_first[True], strict=True)]
+        decoding = {"decode_speedup": statistics.median(decode_ratios),
+                    "speculative_first_token_s": statistics.median(first_token[True]),
+                    "plain_first_token_s": statistics.median(first_token[False])}
     return WallClockSpeedup(speedup=statistics.median(ratios), speculative_s=statistics.median(speculative_times),
                             plain_s=statistics.median(plain_times), speedup_min=min(ratios), speedup_max=max(ratios),
                             repeats=repeats, speculative_tokens=speculative_tokens, plain_tokens=plain_tokens,
-                            baseline=baseline,
-                            speculative_runs=tuple(runs))
+                            baseline=baseline, **decoding, speculative_runs=tuple(runs))

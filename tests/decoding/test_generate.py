@@ -188,6 +188,9 @@ def test_identical_drafter_accepts_everything(verifier, drafters, static):
     assert bool((out.stats.verifier_calls == 5).all())
     assert out.stats.tokens_per_round.tolist() == [5.0, 5.0]  # E[N] at alpha = 1, K = 4
     assert out.stats.summary()["tokens_per_round"] == 5.0
+    # the call splits at its first token: setup and the prompt pass before it, the rounds after it
+    assert 0 < out.stats.time_to_first_token_s < out.stats.wall_time_s
+    assert out.stats.summary()["time_to_first_token_s"] == out.stats.time_to_first_token_s
 
 
 def _exact_two_token_law(verifier, prompt, temperature, top_k, top_p):

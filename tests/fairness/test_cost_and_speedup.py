@@ -213,6 +213,17 @@ def test_specdec_baseline_is_plain_decoding_on_the_same_path(models, monkeypatch
     plain, speculative = (out for _, out in sorted(calls, key=lambda call: call[0]))
     torch.testing.assert_close(plain.sequences, speculative.sequences)
     assert timing.plain_tokens == timing.speculative_tokens == int(plain.stats.generated.sum())
+    # the rounds alone: each side's rate after its first token, from the stats of the calls it timed
+    for out in (plain, speculative):
+        assert 0 < out.stats.time_to_first_token_s <= out.stats.wall_time_s
+    rows = len(prompts)
+
+    def rate_after_first(out):
+        return (int(out.stats.generated.sum()) - rows) / (out.stats.wall_time_s - out.stats.time_to_first_token_s)
+
+    assert timing.decode_speedup == pytest.approx(rate_after_first(speculative) / rate_after_first(plain), rel=1e-9)
+    assert timing.plain_first_token_s == pytest.approx(plain.stats.time_to_first_token_s, rel=1e-9)
+    assert timing.speculative_first_token_s == pytest.approx(speculative.stats.time_to_first_token_s, rel=1e-9)
     with pytest.raises(ValueError, match=r"baseline must be one of \('hf', 'specdec'\), got 'eager'"):
         measure_wall_clock_speedup(verifier, drafter, prompts, baseline="eager")
     tasks = {"x": TaskData(prompts=prompts)}
@@ -220,6 +231,8 @@ def test_specdec_baseline_is_plain_decoding_on_the_same_path(models, monkeypatch
                       max_new_tokens=4, batch_size=3, cost_ratio=0.2, progress=False, wall_clock_repeats=1,
                       wall_clock_baseline="specdec")
     assert report.summary["wall_clock_baseline"] == "specdec" and report.tasks[0].speedup_measured > 0
+    assert report.tasks[0].speedup_measured_decode > 0 and report.tasks[0].first_token_seconds > 0
+    assert report.summary["speedup_measured_decode_mean"] == report.tasks[0].speedup_measured_decode
     with pytest.raises(ValueError, match="wall_clock_baseline must be one of"):
         evaluate(verifier, drafter, tasks, cost_ratio=0.2, progress=False, wall_clock_baseline="eager")
 
@@ -236,6 +249,7 @@ def test_evaluate_reports_measured_beside_predicted(models, tmp_path):
         assert row.speedup_predicted is not None and row.speedup_predicted_generation is not None
         assert row.speedup_measured_min <= row.speedup_measured <= row.speedup_measured_max
         assert row.speculative_seconds > 0 and row.plain_seconds > 0
+        assert row.speedup_measured_decode is None  # the verifier's own generate reports no first-token time
     summary = report.summary
     assert summary["wall_clock_measured"] is True
     assert summary["speedup_measured_min"] == min(r.speedup_measured for r in report.tasks)

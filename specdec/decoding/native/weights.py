@@ -125,7 +125,8 @@ def _place(model: torch.nn.Module, config: NativeConfig, params: dict[str, torch
         raise ValueError("the output embedding's weight is not among model.named_parameters()")
     else:
         head = None  # tied: named_parameters() lists the shared tensor once, under the embedding's name
-    extra = [name for name in params if name not in set(consumed)]
+    placed_names = set(consumed)
+    extra = [name for name in params if name not in placed_names]
     if extra:
         raise ValueError(f"{extra[0]} has no place in the native runner's weight table"
                          + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
