@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU validation of the kernels, each mode under 10 minutes on an H100 or H200. Logs go to $OUT (default /tmp/gpu_validation).
-#   bash benchmarks/tools/run_gpu_validation.sh tests-rejection   # tests/kernels/test_rejection_triton.py
+#   bash benchmarks/tools/run_gpu_validation.sh tests-rejection   # tests/kernels/test_rejection_{triton,plan_rules,staged}.py
 #   bash benchmarks/tools/run_gpu_validation.sh tests-kernels     # the divergence, RNG, reference and statistics tests
 #   bash benchmarks/tools/run_gpu_validation.sh tests-rest        # every other test module
 #   bash benchmarks/tools/run_gpu_validation.sh bench             # rejection benchmark at the README's shapes
@@ -27,6 +27,7 @@ fi
 [ -d .fi ] && export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/.fi FLASHINFER_CUDA_ARCH_LIST=9.0a
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.txt" 2>&1 || { cat "$OUT/pip.txt"; exit 1; }
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
+REJECTION_TESTS="tests/kernels/test_rejection_triton.py tests/kernels/test_rejection_plan_rules.py tests/kernels/test_rejection_staged.py"
 KERNEL_TESTS="tests/fairness/test_divergence.py tests/kernels/test_divergence_triton.py tests/kernels/test_divergence_cluster.py \
 tests/kernels/test_rng.py tests/kernels/test_rejection_reference.py tests/test_stats_power.py tests/kernels/test_kernels_compile.py"
 t0=$(date +%s)
@@ -37,10 +38,10 @@ pytest_run() {  # name, then pytest arguments
   echo "pytest rc=$? in $(( $(date +%s) - t0 )) s"; tail -4 "$OUT/$name.txt"
 }
 case "$MODE" in
-  tests-rejection) pytest_run tests_rejection tests/kernels/test_rejection_triton.py ;;
+  tests-rejection) pytest_run tests_rejection $REJECTION_TESTS ;;
   tests-kernels) pytest_run tests_kernels $KERNEL_TESTS ;;
   tests-rest)
-    pytest_run tests_rest tests --ignore tests/kernels/test_rejection_triton.py $(printf -- "--ignore %s " $KERNEL_TESTS) ;;
+    pytest_run tests_rest tests $(printf -- "--ignore %s " $REJECTION_TESTS $KERNEL_TESTS) ;;
   bench)
     timeout "${SECONDS_LIMIT:-560}" python3 benchmarks/bench_rejection.py \
       --shapes 151936:1:4,151936:8:4,151936:32:4,151936:128:8,128256:128:8,32000:1:4,32000:32:8,32000:128:1 \

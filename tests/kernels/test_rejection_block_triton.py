@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from rejection_cases import CUDA, DEVICE, H100, assert_matches_reference, gpu_only, make_case, plan_for
 
 import specdec
 from specdec.kernels.rejection_sampling import rejection_sample_triton
@@ -18,17 +19,7 @@ from specdec.kernels.rejection_sampling_reference import rejection_sample_refere
 
 from exact_laws import positional, round_law
 from stats import assert_follows
-from test_rejection_triton import (
-    CUDA,
-    DEVICE,
-    H100,
-    LAUNCH_PLANS,
-    _near_equal_case,
-    assert_matches_reference,
-    gpu_only,
-    make_case,
-    plan_for,
-)
+from test_rejection_triton import LAUNCH_PLANS, _near_equal_case
 
 BLOCK = dict(verification="block")
 
