@@ -2,18 +2,13 @@
 bf16-to-fp32 conversion of the statistics tiles, and target and draft logits of different dtypes."""
 
 
-import os
 from dataclasses import replace
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from rejection_cases import (  # noqa: E402
+import triton
+import triton.language as tl
+from rejection_cases import (
     _INTERPRET_ON,
     CUDA,
     DEVICE,
@@ -26,8 +21,8 @@ from rejection_cases import (  # noqa: E402
     plan_for,
 )
 
-from specdec.kernels.rejection_sampling_kernels import _to_f32  # noqa: E402
-from specdec.kernels.rejection_sampling_plan import (  # noqa: E402
+from specdec.kernels.rejection_sampling_kernels import _to_f32
+from specdec.kernels.rejection_sampling_plan import (
     FP32_SMALL_VOCAB,
     grid_splits,
     plan_launch,

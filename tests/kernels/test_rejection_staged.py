@@ -3,18 +3,13 @@ certainly rejected before its positions, every stage plan gives the reference's 
 rule."""
 
 
-import os
 from dataclasses import replace
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from rejection_cases import (  # noqa: E402
+import triton
+import triton.language as tl
+from rejection_cases import (
     CUDA,
     DEVICE,
     INTERPRETER,
@@ -26,14 +21,14 @@ from rejection_cases import (  # noqa: E402
     plan_for,
 )
 
-from specdec.kernels.rejection_sampling import rejection_sample_triton  # noqa: E402
-from specdec.kernels.rejection_sampling_kernels import _rejected_before  # noqa: E402
-from specdec.kernels.rejection_sampling_plan import (  # noqa: E402
+from specdec.kernels.rejection_sampling import rejection_sample_triton
+from specdec.kernels.rejection_sampling_kernels import _rejected_before
+from specdec.kernels.rejection_sampling_plan import (
     grid_splits,
     plan_launch,
     statistics_launches,
 )
-from specdec.kernels.rejection_sampling_reference import rejection_sample_reference  # noqa: E402
+from specdec.kernels.rejection_sampling_reference import rejection_sample_reference
 
 
 # ------------------------------------------------------------------------------------------ staged statistics

@@ -1,7 +1,7 @@
 """The fused Triton rejection sampler reproduces the torch reference exactly and is lossless.
 
-On a machine without CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by ``conftest.py``
-and again here before anything imports Triton), on small shapes. With a GPU the full matrix runs too: B in
+On a machine without CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by ``conftest.py``),
+on small shapes. With a GPU the full matrix runs too: B in
 {1, 7, 64}, K in {1, 4, 8}, V in {100, 8193, 32000, 151936}, fp32 and bf16, and every launch plan.
 
 Exactness: tokens and accepted counts must be *equal* to the reference on the same (seeds, offsets) stream. The two
@@ -11,15 +11,10 @@ plan's rules are in ``test_rejection_plan_rules.py``, the staged and live-skip s
 ``test_rejection_staged.py``, the shared cases in ``rejection_cases.py``.
 """
 
-import os
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-from rejection_cases import (  # noqa: E402
+from rejection_cases import (
     CUDA,
     DEVICE,
     StatsLaunchSpy,
@@ -29,16 +24,16 @@ from rejection_cases import (  # noqa: E402
     plan_for,
 )
 
-import specdec  # noqa: E402
-from specdec.fairness.metrics import acceptance_from_logits, accepted_count_distribution  # noqa: E402
-from specdec.kernels.rejection_sampling import rejection_sample_triton  # noqa: E402
-from specdec.kernels.rejection_sampling_plan import (  # noqa: E402
+import specdec
+from specdec.fairness.metrics import acceptance_from_logits, accepted_count_distribution
+from specdec.kernels.rejection_sampling import rejection_sample_triton
+from specdec.kernels.rejection_sampling_plan import (
     grid_splits,
     plan_launch,
 )
-from specdec.kernels.rejection_sampling_reference import rejection_sample_reference  # noqa: E402
+from specdec.kernels.rejection_sampling_reference import rejection_sample_reference
 
-from stats import assert_follows  # noqa: E402
+from stats import assert_follows
 
 # ---------------------------------------------------------------------------------------------------------------
 # Exact equality, CPU-sized
