@@ -233,6 +233,9 @@ def test_specdec_baseline_is_plain_decoding_on_the_same_path(models, monkeypatch
     assert report.summary["wall_clock_baseline"] == "specdec" and report.tasks[0].speedup_measured > 0
     assert report.tasks[0].speedup_measured_decode > 0 and report.tasks[0].first_token_seconds > 0
     assert report.summary["speedup_measured_decode_mean"] == report.tasks[0].speedup_measured_decode
+    markdown = report.to_markdown()
+    assert "S measured after the first token" in markdown.splitlines()[0]
+    assert "S measured after the first token = the same ratio of rates" in markdown
     with pytest.raises(ValueError, match="wall_clock_baseline must be one of"):
         evaluate(verifier, drafter, tasks, cost_ratio=0.2, progress=False, wall_clock_baseline="eager")
 
@@ -259,6 +262,7 @@ def test_evaluate_reports_measured_beside_predicted(models, tmp_path):
     markdown = report.to_markdown()
     header = markdown.splitlines()[0]
     assert "S predicted" in header and "S measured (min–max)" in header and "S predicted from tok/call" in header
+    assert "after the first token" not in header  # timed against the verifier's generate: no split
     assert "S measured = tokens per second of specdec.generate" in markdown
     off = evaluate(verifier, drafter, tasks, temperature=0.0, max_new_tokens=4, cost_ratio=0.3, progress=False,
                    wall_clock=False)
