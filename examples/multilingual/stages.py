@@ -14,7 +14,7 @@ import shutil
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +119,7 @@ def _device_name(device: torch.device) -> str:
 
 def load_verifier(ctx: Context) -> torch.nn.Module:
     """The verifier in ``ctx.eval_dtype`` on ``ctx.device``, frozen: the pretrained model the settings name (its
-    layer count and vocabulary checked against the settings and the tokenizer), else the trained one."""
+    architecture fields and vocabulary checked against the settings and the tokenizer), else the trained one."""
     spec = ctx.cfg.verifier
     if spec.pretrained is None:
         verifier = load_model(ctx.models_dir(), spec.name, dtype=ctx.eval_dtype, device=ctx.device)
@@ -127,10 +127,14 @@ def load_verifier(ctx: Context) -> torch.nn.Module:
     from .pretrained import load_pretrained_model
 
     verifier = load_pretrained_model(spec.pretrained, dtype=ctx.eval_dtype, device=ctx.device)
-    layers = verifier.config.num_hidden_layers
-    if layers != spec.num_layers:
-        raise ValueError(f"verifier.num_layers is {spec.num_layers} but the pretrained model {spec.pretrained} has "
-                         f"{layers} layers: set verifier.num_layers to {layers}")
+    config = verifier.config
+    for field, actual in (("arch", config.model_type), ("num_layers", config.num_hidden_layers),
+                          ("hidden_size", config.hidden_size), ("num_heads", config.num_attention_heads),
+                          ("num_kv_heads", config.num_key_value_heads),
+                          ("intermediate_size", config.intermediate_size)):
+        if getattr(spec, field) != actual:  # the rows report these settings: they must describe the model
+            raise ValueError(f"verifier.{field} is {getattr(spec, field)!r} but the pretrained model "
+                             f"{spec.pretrained} has {actual!r}: set verifier.{field} to {actual!r}")
     vocab = len(load_tokenizer(ctx.work))
     if verifier.get_output_embeddings().weight.shape[0] < vocab:
         raise ValueError(f"the pretrained verifier's output layer has fewer rows than the tokenizer in "
@@ -242,7 +246,7 @@ def stage_train(ctx: Context, names: list[str] | None = None, export: str | Path
     ids = special_ids(tokenizer)
     verifier = None
     rows = []
-    rows_name = "train__" + ".".join(s.name for s in specs)  # names a device can return: letters, digits, . _ -
+    rows_name = "train__" + ".".join(s.name for s in specs)  # file names of letters, digits, '.', '_', '-' only
     for index, spec in enumerate(specs):
         remaining = clock.remaining()
         if index and remaining is not None and remaining <= 0:  # the first model always starts
@@ -286,8 +290,6 @@ def stage_train(ctx: Context, names: list[str] | None = None, export: str | Path
                 shutil.copy2(path, Path(export) / path.name)
         rows.append({**row, "params": model.num_parameters(), "files": {p.name: p.stat().st_size for p in files},
                      "settings": cfg.to_dict(), **log})
-        if model is not verifier:
-            del model
         write_rows(ctx, rows_name, rows)  # after every model: a call cut short keeps the rows of those it finished
     return rows
 
@@ -306,6 +308,12 @@ def _pretrained_log(ctx: Context, verifier: torch.nn.Module, tokenizer: Any, cor
                                          autocast=False)}
 
 
+def _thinned(losses: list[list[float]], points: int = 50) -> list[list[float]]:
+    """About ``points`` evenly spaced entries of ``losses``, always ending with the last one (never twice)."""
+    kept = losses[:: max(1, len(losses) // points)]
+    return kept if not losses or kept[-1] is losses[-1] else [*kept, losses[-1]]
+
+
 class _OutOfTimeError(Exception):
     """Raised by the distillation's step callback once its ``max_seconds`` have passed."""
 
@@ -318,19 +326,17 @@ def distill_self_drafter(ctx: Context, verifier: torch.nn.Module, spec: Any, tok
     mixture of the training split, ``spec.batch_size`` windows of ``finetune_seq_len`` tokens per language and step,
     learning rate ``spec.lr``), stopped after the step that passes ``max_seconds``. The verifier's fingerprint
     is taken before and after (a change raises RuntimeError). Returns the drafter and its log."""
-    from specdec import FinetuneConfig, finetune_drafter, layer_skip_drafter
+    from specdec import finetune_drafter, layer_skip_drafter
     from specdec.training.finetune import task_token_shares
 
     cfg = ctx.cfg
     drafter = layer_skip_drafter(verifier, spec.self_layers, share_weights=False).float().requires_grad_(True)
-    tasks = {lang: encode(tokenizer, corpus.texts("train", lang)) for lang in cfg.languages}
-    held = {lang: [ids[: cfg.finetune_seq_len] for ids in encode(tokenizer, corpus.texts("heldout", lang)
-                                                                 [: cfg.finetune_eval_examples])]
-            for lang in cfg.languages}
-    config = FinetuneConfig(method="uniform_kd", steps=spec.distill_steps, batch_size_per_task=spec.batch_size,
-                            seq_len=cfg.finetune_seq_len, lr=spec.lr, eval_every=None, seed=derive_seed(cfg.seed,
-                            spec.name, "distill"), temperature=cfg.temperature if cfg.temperature > 0 else 1.0)
-    prompts = [p for task in mgsm_tasks(cfg, tokenizer, corpus.triggers).values() for p in task.prompts]
+    data = _task_data(ctx, tokenizer, corpus, "languages")
+    tasks = data["train"]
+    config = replace(finetune_config(cfg, "uniform_kd"), steps=spec.distill_steps,
+                     batch_size_per_task=spec.batch_size, lr=spec.lr, eval_every=None,
+                     seed=derive_seed(cfg.seed, spec.name, "distill"))
+    prompts = [p for task in data["evaluation"].values() for p in task.prompts]
     before = _fingerprint(ctx, verifier, tokenizer, prompts[: cfg.fingerprint_prompts])
     losses: list[list[float]] = []
     start = time.perf_counter()
@@ -340,14 +346,14 @@ def distill_self_drafter(ctx: Context, verifier: torch.nn.Module, spec: Any, tok
         if max_seconds is not None and time.perf_counter() - start > max_seconds:
             raise _OutOfTimeError
 
-    log: dict[str, Any] = {"distill_steps": spec.distill_steps, "method": "uniform_kd",
-                           "steps": spec.distill_steps, "batch_size": spec.batch_size, "seq_len": cfg.finetune_seq_len,
-                           # the natural mixture uniform distillation draws from: each language's share of the windows
-                           # next-token positions
+    log: dict[str, Any] = {"method": "uniform_kd", "steps": spec.distill_steps, "batch_size": spec.batch_size,
+                           "seq_len": cfg.finetune_seq_len,
+                           # the natural mixture uniform distillation draws from: each language's share of the
+                           # windows' next-token positions
                            "weights": dict(zip(tasks, task_token_shares(list(tasks.values()),
                                                                         cfg.finetune_seq_len), strict=True))}
     try:
-        result = finetune_drafter(drafter, verifier, tasks, config=config, eval_tasks=held,
+        result = finetune_drafter(drafter, verifier, tasks, config=config, eval_tasks=data["ft_eval"],
                                   pad_token_id=special_ids(tokenizer).pad, progress=ctx.progress, callback=on_step)
         keys = ("U", "U_kl", "mean_alpha", "worst_alpha", "worst_task")
         log.update(distill_initial={k: result.initial.get(k) for k in keys},
@@ -356,7 +362,7 @@ def distill_self_drafter(ctx: Context, verifier: torch.nn.Module, spec: Any, tok
         pass
     drafter.eval()
     log.update(steps_run=len(losses), seconds=time.perf_counter() - start,
-               losses=losses[:: max(1, len(losses) // 50)] + losses[-1:])
+               losses=_thinned(losses))
     after = _fingerprint(ctx, verifier, tokenizer, prompts[: cfg.fingerprint_prompts])
     if after["weights_sha256"] != before["weights_sha256"]:
         raise RuntimeError(f"the verifier's weights changed while distilling {spec.name}")

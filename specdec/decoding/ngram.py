@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec._validation import check_int_at_least
+from specdec._validation import check_int_at_least, use_triton
 from specdec.decoding.timing import capture_graph, median_seconds
 from specdec.kernels.ngram_propose import ngram_propose_triton
 from specdec.kernels.ngram_propose_reference import ngram_propose
@@ -149,19 +149,18 @@ class NgramSlot:
     ``key_ok`` [B, S] bool (False at prompt padding) and ``slot_positions`` [B, S] int64 are the engine's tensors
     (refilled in place for each call). Each call writes its tokens into ``table`` at their positions and proposes the
     token after each of its last ``keep`` slots; every operation has a fixed shape, so the call is captured in the
-    round's CUDA graph. ``use_kernels``: the proposal as one Triton launch (default: on CUDA), else
-    :func:`ngram_propose`.
+    round's CUDA graph. ``use_kernels``: the proposal as one Triton launch, else :func:`ngram_propose` (the engine
+    passes its backend's choice).
     """
 
     def __init__(self, drafter: NgramDrafter, batch: int, capacity: int, vocab: int, key_ok: torch.Tensor,
-                 slot_positions: torch.Tensor, *, use_kernels: bool | None = None):
+                 slot_positions: torch.Tensor, *, use_kernels: bool = False):
         self.model = weakref.ref(drafter)  # (the engine's identity check reads it as it reads a model slot's)
         self.max_ngram, self.min_ngram = drafter.max_ngram, drafter.min_ngram
         self.vocab = vocab
         self.key_ok, self.slot_positions = key_ok, slot_positions
         device = key_ok.device
-        self.propose = ngram_propose_triton if (device.type == "cuda" if use_kernels is None else use_kernels) \
-            else ngram_propose
+        self.propose = ngram_propose_triton if use_kernels else ngram_propose
         self.table = torch.zeros((batch, capacity + 1), dtype=torch.int64, device=device)  # [B, S + 1] tokens
         self.lengths = torch.ones(batch, dtype=torch.int64, device=device)  # [B] tokens of the last call's context
 
@@ -261,7 +260,7 @@ def ngram_step_seconds(drafter: NgramDrafter, batch: int, context: int, vocab: i
     capacity = context + 1
     key_ok = torch.ones((batch, capacity), dtype=torch.bool, device=device)
     positions = torch.arange(capacity, device=device).expand(batch, capacity).contiguous()
-    slot = NgramSlot(drafter, batch, capacity, vocab, key_ok, positions)
+    slot = NgramSlot(drafter, batch, capacity, vocab, key_ok, positions, use_kernels=use_triton("auto", device))
     prompt = torch.randint(0, vocab, (batch, context), generator=generator).to(device)
     slot.forward(prompt, positions[:, :context], 1)
     ids, slots = prompt[:, -1:].clone(), positions[:, context - 1: context].clone()

@@ -120,9 +120,9 @@ def _slot(model: torch.nn.Module | NgramDrafter, batch: int, capacity: int, voca
           use_kernels: bool = False) -> _ModelSlot | NgramSlot | NativeModelSlot:
     """The slot that serves ``model`` in an engine (the one place a slot class is chosen): with ``runner="native"``
     the native decode runner for every model :func:`native_problem` accepts (``use_kernels``: its Triton kernels,
-    else their torch references)."""
+    and the n-gram drafter's proposal kernel, else their torch references)."""
     if isinstance(model, NgramDrafter):
-        return NgramSlot(model, batch, capacity, vocab, key_ok, slot_positions)
+        return NgramSlot(model, batch, capacity, vocab, key_ok, slot_positions, use_kernels=use_kernels)
     if runner == "native" and native_problem(model) is None:
         return NativeModelSlot(model, batch, capacity, vocab, key_ok, slot_positions, use_kernels=use_kernels)
     return _ModelSlot(model, batch, capacity, vocab, key_ok, slot_positions, compile_model)
@@ -163,11 +163,11 @@ class StaticEngine:
         zeros = lambda *shape, dtype=torch.int64: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         self.key_ok = torch.ones((batch, capacity), dtype=torch.bool, device=device)  # [B, S] False at padding
         self.slot_positions = zeros(batch, capacity)  # [B, S] rope position of every slot
+        kernels = use_triton(backend, device)  # Triton kernels (or their torch references) for every part
         self.verifier = _slot(verifier, batch, capacity, vocab, self.key_ok, self.slot_positions, compile_models,
-                              runner, use_triton(backend, device))
+                              runner, kernels)
         self.drafter = None if drafter is None else _slot(drafter, batch, capacity, vocab, self.key_ok,
-                                                          self.slot_positions, compile_models, runner,
-                                                          use_triton(backend, device))
+                                                          self.slot_positions, compile_models, runner, kernels)
         self.seq = zeros(batch, capacity)  # [B, S] int64 padded prompt, then the generated tokens
         self.logprobs = torch.zeros((batch, capacity), dtype=torch.float32, device=device)  # [B, S] per emitted token
         self.processors = TokenProcessors(batch, vocab, device)
@@ -189,7 +189,6 @@ class StaticEngine:
             self.seq, self.slot_len, self.prev, self.pending, self.generated, self.finished, self.stream_pos,
             self.counters["drafted"], self.counters["accepted"], self.counters["verifier_calls"],
             self.counters["drafter_calls"], self.accepted_per_position, self.attempted_per_position, self.flags)
-        kernels = use_triton(backend, device)
         # NOTE: the fused commit holds the batch in one program; larger batches commit through the reference
         self.fused_commit = kernels and batch <= ROUND_COMMIT_MAX_BATCH
         self.race = exponential_race_triton if kernels else exponential_race  # draws sampled tokens and drafts

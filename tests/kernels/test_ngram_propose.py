@@ -59,3 +59,20 @@ def test_the_static_slot_proposes_the_same_with_the_kernel():
         at = torch.full((batch, 1), step, device=DEVICE)
         logits = [slot.forward(ids, at, 1) for slot in slots]
         assert torch.equal(logits[0], logits[1]), step
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_engine_backend_chooses_the_proposal(backend):
+    """The static engine's ``backend`` decides the n-gram drafter's proposal as it decides its other kernels."""
+    from specdec.decoding.ngram import ngram_drafter
+    from specdec.decoding.static import StaticEngine
+    from specdec.kernels.exponential_race import exponential_race_triton
+    from specdec.kernels.rejection_sampling_reference import exponential_race
+
+    from models import tiny_llama
+
+    verifier = tiny_llama(vocab_size=64, hidden_size=32, num_layers=1, seed=0).to(DEVICE)
+    engine = StaticEngine(verifier, ngram_drafter(3, 1), 2, 64, 64, 2, 1, DEVICE, backend, False)
+    expected = ngram_propose_triton if backend == "triton" else ngram_propose
+    assert engine.drafter.propose is expected
+    assert engine.race is (exponential_race_triton if backend == "triton" else exponential_race)
